@@ -1,0 +1,170 @@
+"""``dsr1d``: the daemon's local admin commands (root, no bus needed).
+
+Exit status: 0 done; 1 the machine disagreed (a write failed, drift found, a knob not restored);
+2 bad input (usage, unknown or malformed profile); 3 the journal was refused (corrupt or
+belonging to another root) and left untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Callable
+
+from . import __version__
+from .context import Core, build_core
+from .plugin_manager import PluginError
+from .profiles import ProfileError, UnknownProfile
+from .state import JournalError
+from .sysroot import KnobError
+from .table import render
+from .tuning import ApplyFailed, Plan, TuningError
+
+EXIT_FAILED, EXIT_USAGE, EXIT_JOURNAL = 1, 2, 3
+
+
+def cmd_probe(core: Core, args: argparse.Namespace) -> int:
+    rows = []
+    for info in core.tuner.probe():
+        current = " ".join(f"{k}={v}" for k, v in info.current.items()) or "-"
+        rows.append((info.name, "yes" if info.support.supported else "no", current,
+                     info.support.detail))
+    print(render(("TUNABLE", "SUPPORTED", "CURRENT", "DETAIL"), rows))
+    return 0
+
+
+def cmd_list(core: Core, args: argparse.Namespace) -> int:
+    profiles, errors = core.store.load_all()
+    active = core.tuner.active()
+    rows = [("*" if name == active else "", name, p.summary) for name, p in profiles.items()]
+    print(render(("", "PROFILE", "SUMMARY"), rows))
+    for error in errors:
+        print(f"dsr1d: skipped broken profile: {error}", file=sys.stderr)
+    return 0
+
+
+def _print_plan(plan: Plan, dry_run: bool) -> None:
+    verb = "would set" if dry_run else "set"
+    for change in plan.releases:
+        print(f"  {change.tunable:10} {'would restore' if dry_run else 'restored'} "
+              f"{change.where}: {change.current} -> {change.wanted}")
+    for change in plan.changes:
+        print(f"  {change.tunable:10} {verb} {change.where}: {change.current} -> {change.wanted}")
+    if plan.unchanged:
+        print(f"  ({len(plan.unchanged)} knob(s) already as wanted)")
+    for name, why in plan.unsupported.items():
+        print(f"  {name:10} skipped: unsupported here: {why}")
+    for skip in plan.skips:
+        print(f"  {skip.tunable:10} skipped {skip.option}: {skip.reason}")
+
+
+def cmd_apply(core: Core, args: argparse.Namespace) -> int:
+    profile = core.store.load(args.profile)
+    if args.dry_run:
+        plan = core.tuner.plan(profile)
+        print(f"dry run: applying {profile.name} would make {len(plan.writes)} write(s):")
+        _print_plan(plan, dry_run=True)
+        return 0
+    plan = core.tuner.switch(profile)
+    print(f"applied {profile.name}: {len(plan.writes)} write(s)")
+    _print_plan(plan, dry_run=False)
+    if any(key.startswith("pmqos:") for key in plan.wanted):
+        print("dsr1d: note: the PM QoS latency request (cstate max_latency_us) lasts only as long "
+              "as the process that made it: it ended when this command exited. Run the daemon "
+              "(`dsr1d run`, or `systemctl start dsr1d`) to hold it.", file=sys.stderr)
+    return 0
+
+
+def cmd_verify(core: Core, args: argparse.Namespace) -> int:
+    result = core.tuner.verify()
+    if result.profile is None:
+        print("no profile applied (no journal)")
+        return 0
+    for note in result.notes:
+        print(f"note: {note}")
+    if not result.drift:
+        print(f"{result.profile}: every knob holds its value")
+        return 0
+    print(f"{result.profile}: {len(result.drift)} knob(s) drifted")
+    print(render(("TUNABLE", "KNOB", "WANTED", "ACTUAL"),
+                 [(d.tunable, d.where, d.wanted, d.actual) for d in result.drift]))
+    return EXIT_FAILED
+
+
+def cmd_restore(core: Core, args: argparse.Namespace) -> int:
+    if args.discard:
+        return _discard(core)
+    restored, errors = core.tuner.restore()
+    for change in restored:
+        print(f"  {change.tunable:10} restored {change.where}: {change.current} -> {change.wanted}")
+    for error in errors:
+        print(f"dsr1d: {error}", file=sys.stderr)
+    if errors:
+        print(f"dsr1d: {len(errors)} knob(s) not restored; the journal keeps them: "
+              f"{core.journal.path}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"restored {len(restored)} knob(s)" if restored else "nothing to restore")
+    return 0
+
+
+def _discard(core: Core) -> int:
+    path = core.journal.path
+    if not path.exists():
+        print("no journal")
+        return 0
+    aside = path.with_name(f"{path.name}.discarded-{int(time.time())}")
+    path.rename(aside)
+    print(f"moved {path} aside to {aside}; nothing was restored")
+    return 0
+
+
+COMMANDS: dict[str, Callable[[Core, argparse.Namespace], int]] = {
+    "probe": cmd_probe, "list": cmd_list, "apply": cmd_apply,
+    "verify": cmd_verify, "restore": cmd_restore,
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--root", default=argparse.SUPPRESS,
+                        help="hardware root (default /; a fake tree in tests)")
+    common.add_argument("--journal", default=argparse.SUPPRESS,
+                        help="journal path (default <root>/run/dsr1d/state.json)")
+    common.add_argument("--profiles-dir", default=argparse.SUPPRESS,
+                        help="user profile directory (default <root>/etc/dsr1d/profiles)")
+    top = argparse.ArgumentParser(prog="dsr1d", parents=[common],
+                                  description="dsr1d admin commands (run as root)")
+    top.add_argument("--version", action="version", version=f"dsr1d {__version__}")
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("probe", parents=[common], help="which tunables work here, and their values")
+    sub.add_parser("list", parents=[common], help="the profiles (* = active)")
+    apply = sub.add_parser("apply", parents=[common], help="apply or switch to a profile")
+    apply.add_argument("profile")
+    apply.add_argument("--dry-run", action="store_true", help="show the plan, write nothing")
+    sub.add_parser("verify", parents=[common], help="compare every knob with the active profile")
+    restore = sub.add_parser("restore", parents=[common], help="put back every changed knob")
+    restore.add_argument("--discard", action="store_true",
+                         help="move an unusable journal aside without restoring anything")
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        core = build_core(getattr(args, "root", "/"), getattr(args, "journal", None),
+                          getattr(args, "profiles_dir", None))
+        return COMMANDS[args.command](core, args)
+    except (UnknownProfile, ProfileError, PluginError) as exc:
+        print(f"dsr1d: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except JournalError as exc:
+        print(f"dsr1d: {exc}", file=sys.stderr)
+        return EXIT_JOURNAL
+    except (ApplyFailed, TuningError, KnobError) as exc:
+        print(f"dsr1d: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

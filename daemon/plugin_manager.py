@@ -1,0 +1,81 @@
+"""The plugin manager: built-in plugins, entry-point plugins, and ``DSR1D_PLUGINS``.
+
+``DSR1D_TRACE_PLUGINS=1`` prints every hook call and result to stderr.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any
+
+import pluggy
+
+from . import hookspecs
+from .tunable import Tunable
+
+DEFAULT_PLUGINS = (
+    "dsr1d.plugins.epb",
+    "dsr1d.plugins.cstate",
+    "dsr1d.plugins.prefetcher",
+    "dsr1d.plugins.thp",
+)
+ENTRY_POINT_GROUP = "dsr1d"
+
+
+class PluginError(Exception):
+    """A plugin could not be loaded or broke the contract."""
+
+
+def make_manager(extra: tuple[str, ...] = ()) -> pluggy.PluginManager:
+    """A plugin manager with the built-ins, entry points, ``DSR1D_PLUGINS`` and ``extra``."""
+    pm = pluggy.PluginManager("dsr1d")
+    pm.add_hookspecs(hookspecs)
+    env = tuple(m for m in os.environ.get("DSR1D_PLUGINS", "").split(",") if m.strip())
+    for name in DEFAULT_PLUGINS + env + extra:
+        try:
+            module = importlib.import_module(name.strip())
+        except ImportError as exc:
+            raise PluginError(f"cannot load plugin {name.strip()!r}: {exc}") from exc
+        pm.register(module, name=name.strip())
+    pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(str(exc)) from exc
+    if os.environ.get("DSR1D_TRACE_PLUGINS"):
+        _enable_tracing(pm)
+    return pm
+
+
+def _enable_tracing(pm: pluggy.PluginManager) -> None:
+    def before(hook_name: str, impls: list[Any], kwargs: dict[str, Any]) -> None:
+        args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        names = ", ".join(impl.plugin_name for impl in impls)
+        print(f"dsr1d trace: {hook_name}({args}) -> [{names}]", file=sys.stderr)
+
+    def after(outcome: Any, hook_name: str, impls: list[Any], kwargs: dict[str, Any]) -> None:
+        if outcome.exception is not None:
+            print(f"dsr1d trace: {hook_name} raised {outcome.exception!r}", file=sys.stderr)
+
+    pm.add_hookcall_monitoring(before, after)
+
+
+def collect_tunables(pm: pluggy.PluginManager) -> dict[str, Tunable]:
+    """Every registered tunable by name, sorted by name (the order they are applied in)."""
+    tunables: dict[str, Tunable] = {}
+
+    def register(tunable: Any) -> None:
+        name = getattr(tunable, "name", None)
+        if not isinstance(name, str) or not name:
+            raise PluginError(f"tunable {tunable!r} has no name")
+        if name in tunables:
+            raise PluginError(f"two plugins register a tunable named {name!r}")
+        for attr in ("summary", "options", "probe", "read", "apply"):
+            if not hasattr(tunable, attr):
+                raise PluginError(f"tunable {name!r} lacks {attr!r}")
+        tunables[name] = tunable
+
+    pm.hook.register_tunables(register=register)
+    return dict(sorted(tunables.items()))

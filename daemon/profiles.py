@@ -1,0 +1,223 @@
+"""Profiles: INI files, one section per tunable plus ``[main]``, ``[engine]``, ``[mitigation]``.
+
+Built-in profiles ship inside the package (``etc/dsr1d/profiles``); a user directory
+(``/etc/dsr1d/profiles``) overrides them by name or adds new ones. ``[main] include = a, b``
+inherits from other profiles (later ones and the including file win, key by key); a profile that
+includes its own name gets the one it overrides. Every error is reported as ``file:line: reason``
+and rejects the whole profile.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .schema import Schema, boolean, choice, integer, option, word_list
+
+SUFFIX = ".conf"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+MAIN_SCHEMA: Schema = {
+    "summary": option(str, "one line shown by `dsr1d list`", "text"),
+    "include": option(word_list, "profiles to inherit from, in order", "names"),
+}
+# [engine] and [mitigation] are read by later parts of the daemon; keys known so far.
+ENGINE_SCHEMA: Schema = {
+    "threads": option(integer(0, 4096), "decode threads (0 = one per physical core)", "count"),
+    "dtype": option(choice("auto", "bf16", "fp32", "int8", "int4"),
+                    "weight precision (auto = bf16 where the CPU has native bf16)", "name"),
+}
+MITIGATION_SCHEMA: Schema = {
+    "enabled": option(boolean, "mitigate thermal throttling automatically", "bool"),
+    "target_temp_c": option(integer(40, 110), "package temperature to hold under", "°C"),
+}
+RESERVED_SCHEMAS = {"engine": ENGINE_SCHEMA, "mitigation": MITIGATION_SCHEMA}
+
+
+class ProfileError(Exception):
+    """A profile is malformed: ``file:line: reason``."""
+
+    def __init__(self, file: str | Path, line: int, reason: str) -> None:
+        self.file = str(file)
+        self.line = line
+        self.reason = reason
+        super().__init__(f"{file}:{line}: {reason}")
+
+
+class UnknownProfile(Exception):
+    """No profile has this name."""
+
+    def __init__(self, name: str, available: list[str]) -> None:
+        self.name = name
+        self.available = available
+        super().__init__(f"unknown profile {name!r}; available: {', '.join(available) or 'none'}")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A raw value and where it was written."""
+
+    value: str
+    file: str
+    line: int
+
+
+Sections = dict[str, dict[str, Entry]]
+
+
+@dataclass
+class Profile:
+    """A loaded, merged and validated profile."""
+
+    name: str
+    path: Path
+    summary: str
+    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def builtin_dir() -> Path:
+    """Where the built-in profiles are: the checkout's etc/, else the installed share/."""
+    checkout = Path(__file__).resolve().parent.parent / "etc" / "dsr1d" / "profiles"
+    if checkout.is_dir():
+        return checkout
+    return Path(sys.prefix) / "share" / "dsr1d" / "profiles"
+
+
+def parse_ini(path: Path) -> Sections:
+    """Parse an INI file keeping ``file:line`` for every value; ProfileError on bad syntax."""
+    sections: Sections = {}
+    current: dict[str, Entry] | None = None
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ProfileError(path, 0, f"cannot read: {exc}") from None
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("["):
+            if not line.endswith("]") or len(line) < 3:
+                raise ProfileError(path, number, f"malformed section header {line!r}")
+            name = line[1:-1].strip()
+            if name in sections:
+                raise ProfileError(path, number, f"section [{name}] appears twice")
+            current = sections[name] = {}
+            continue
+        key, sep, value = line.partition("=")
+        if not sep:
+            raise ProfileError(path, number, f"expected 'key = value', got {line!r}")
+        if current is None:
+            raise ProfileError(path, number, "a key before any [section]")
+        key = key.strip()
+        if not key:
+            raise ProfileError(path, number, "empty key")
+        if key in current:
+            raise ProfileError(path, number, f"key {key!r} appears twice in its section")
+        current[key] = Entry(value.strip(), str(path), number)
+    return sections
+
+
+class ProfileStore:
+    """Finds, merges and validates profiles from directories in priority order."""
+
+    def __init__(self, dirs: list[Path], schemas: dict[str, Schema]) -> None:
+        self.dirs = dirs
+        self.schemas = {"main": MAIN_SCHEMA, **RESERVED_SCHEMAS, **schemas}
+
+    def names(self) -> list[str]:
+        """Every profile name, user-defined and built-in."""
+        found = {p.stem for d in self.dirs if d.is_dir() for p in d.glob(f"*{SUFFIX}")}
+        return sorted(n for n in found if _NAME.match(n))
+
+    def find(self, name: str, after: Path | None = None) -> Path:
+        """The file of profile ``name``; with ``after``, only in directories after that one."""
+        dirs = self.dirs
+        if after is not None and after in dirs:
+            dirs = dirs[dirs.index(after) + 1:]
+        if _NAME.match(name):
+            for directory in dirs:
+                candidate = directory / f"{name}{SUFFIX}"
+                if candidate.is_file():
+                    return candidate
+        raise UnknownProfile(name, self.names())
+
+    def load(self, name: str) -> Profile:
+        """Load ``name`` with its includes; ProfileError or UnknownProfile."""
+        path = self.find(name)
+        merged = self._merge(path, chain=())
+        main = merged.pop("main", {})
+        summary = main["summary"].value if "summary" in main else ""
+        return Profile(name, path, summary, self._validate(merged))
+
+    def load_all(self) -> tuple[dict[str, Profile], list[ProfileError]]:
+        """Every loadable profile, and the errors of those that are not."""
+        profiles: dict[str, Profile] = {}
+        errors: list[ProfileError] = []
+        for name in self.names():
+            try:
+                profiles[name] = self.load(name)
+            except ProfileError as exc:
+                errors.append(exc)
+        return profiles, errors
+
+    def _merge(self, path: Path, chain: tuple[Path, ...]) -> Sections:
+        sections = parse_ini(path)
+        for name, entries in sections.items():
+            if name not in self.schemas:
+                known = ", ".join(sorted(self.schemas))
+                line = _section_line(path, name)
+                raise ProfileError(path, line, f"unknown section [{name}] (known: {known})")
+        merged: Sections = {}
+        include = sections.get("main", {}).get("include")
+        for parent_name in _include_names(include):
+            after = path.parent if parent_name == path.stem else None
+            try:
+                parent = self.find(parent_name, after=after)
+            except UnknownProfile as exc:
+                raise ProfileError(path, include.line, f"include: {exc}") from None
+            if parent in chain or parent == path:
+                cycle = " -> ".join(p.stem for p in (*chain, path, parent))
+                raise ProfileError(path, include.line, f"include cycle: {cycle}")
+            for section, entries in self._merge(parent, chain + (path,)).items():
+                merged.setdefault(section, {}).update(entries)
+        for section, entries in sections.items():
+            own = {k: v for k, v in entries.items() if not (section == "main" and k == "include")}
+            merged.setdefault(section, {}).update(own)
+        merged.get("main", {}).pop("include", None)
+        return merged
+
+    def _validate(self, merged: Sections) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for section, entries in merged.items():
+            schema = self.schemas[section]
+            values: dict[str, Any] = {}
+            for key, entry in entries.items():
+                if key not in schema:
+                    known = ", ".join(sorted(schema)) or "none"
+                    raise ProfileError(entry.file, entry.line,
+                                       f"[{section}] unknown key {key!r} (known: {known})")
+                try:
+                    values[key] = schema[key].parse(entry.value)
+                except ValueError as exc:
+                    raise ProfileError(entry.file, entry.line, f"[{section}] {key}: {exc}") from None
+            out[section] = values
+        return out
+
+
+def _include_names(include: Entry | None) -> list[str]:
+    if include is None:
+        return []
+    try:
+        return word_list(include.value)
+    except ValueError:
+        raise ProfileError(include.file, include.line, "include: expected profile names") from None
+
+
+def _section_line(path: Path, section: str) -> int:
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip() == f"[{section}]":
+            return number
+    return 0

@@ -1,0 +1,120 @@
+"""The journal: original values of every knob dsr1d changed, on disk before the knob changes.
+
+One JSON file (``<root>/run/dsr1d/state.json`` by default), replaced atomically: written to a
+temporary file in the same directory, fsynced, renamed over the old one, and the directory
+fsynced. It records the root it belongs to, so that a journal made against a test root is never
+replayed onto the real machine. A journal that cannot be read is never overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+FORMAT = 1
+
+
+class JournalError(Exception):
+    """The journal is corrupt or belongs to another root; it was left untouched."""
+
+
+@dataclass
+class Original:
+    """A knob's value before dsr1d first wrote it."""
+
+    key: str
+    tunable: str
+    value: str
+
+
+@dataclass
+class JournalState:
+    """What the journal holds: originals in first-write order, and what is applied now."""
+
+    root: str
+    originals: list[Original] = field(default_factory=list)
+    profile: str | None = None
+    wanted: dict[str, str] = field(default_factory=dict)
+    pid: int = 0
+
+    def original(self, key: str) -> Original | None:
+        return next((o for o in self.originals if o.key == key), None)
+
+
+class Journal:
+    """Reads and atomically replaces one journal file."""
+
+    def __init__(self, path: Path, root: Path,
+                 before_write: Callable[[str], None] | None = None) -> None:
+        self.path = path
+        self.root = str(root)
+        self._before_write = before_write
+
+    def _recover_hint(self) -> str:
+        return (f"inspect {self.path}, put the knobs it lists back by hand if needed, then remove "
+                f"it (or run `dsr1d restore --discard`)")
+
+    def load(self) -> JournalState | None:
+        """The journal's state, None when there is none; JournalError when unusable."""
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise JournalError(f"cannot read journal {self.path}: {exc.strerror}") from None
+        try:
+            data = json.loads(text)
+            if data.get("format") != FORMAT:
+                raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
+            state = JournalState(
+                root=data["root"],
+                originals=[Original(**o) for o in data["originals"]],
+                profile=data.get("profile"),
+                wanted=dict(data.get("wanted", {})),
+                pid=int(data.get("pid", 0)),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise JournalError(f"journal {self.path} is corrupt ({exc}); it was left as it is: "
+                               + self._recover_hint()) from None
+        if state.root != self.root:
+            raise JournalError(f"journal {self.path} belongs to root {state.root}, not "
+                               f"{self.root}; it was left as it is: " + self._recover_hint())
+        return state
+
+    def new(self) -> JournalState:
+        return JournalState(root=self.root, pid=os.getpid())
+
+    def save(self, state: JournalState) -> None:
+        """Replace the journal with ``state``: temporary file, fsync, rename, fsync directory."""
+        if self._before_write:
+            self._before_write(str(self.path))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"format": FORMAT, **asdict(state)}
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, (json.dumps(data, indent=1) + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        _fsync_dir(self.path.parent)
+
+    def remove(self) -> None:
+        """Delete the journal (after everything it lists has been restored)."""
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            return
+        _fsync_dir(self.path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,194 @@
+"""The hardware root: every read and write of /sys, /proc and /dev goes through here.
+
+A `SysRoot` is bound to one directory (``/`` on a real machine, a temporary tree in tests).
+Paths handed to it are relative to that directory. Model-specific registers are read through
+``dev/cpu/N/msr``: on a real machine a character device addressed by register number, in a fake
+root a directory holding one 8-byte little-endian file per register (``dev/cpu/0/msr/0x1a4``).
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import glob as glob_mod
+import os
+import re
+import struct
+from pathlib import Path
+
+CPU_DIR = "sys/devices/system/cpu"
+CPU_ONLINE = f"{CPU_DIR}/online"
+CPUINFO = "proc/cpuinfo"
+PM_QOS_DEVICE = "dev/cpu_dma_latency"
+
+
+class KnobError(Exception):
+    """A read or write of one knob failed; names the knob, the path and the errno."""
+
+    def __init__(self, knob: str, path: str, err: OSError, action: str = "write") -> None:
+        self.knob = knob
+        self.path = path
+        self.errno = err.errno or 0
+        self.errno_name = errno_mod.errorcode.get(self.errno, str(self.errno))
+        self.strerror = err.strerror or str(err)
+        self.action = action
+        super().__init__(
+            f"{knob}: cannot {action} {path}: {self.errno_name} ({self.strerror})"
+        )
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """Parse a kernel CPU list such as ``0-3,8,10-11`` into sorted CPU numbers."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return sorted(cpus)
+
+
+class SysRoot:
+    """Reads and writes kernel interfaces below one root directory."""
+
+    def __init__(self, root: str | os.PathLike[str] = "/") -> None:
+        self.root = Path(root).resolve()
+        self._pm_qos_fd: int | None = None
+        self._pm_qos_value: int | None = None
+
+    def __repr__(self) -> str:
+        return f"SysRoot({str(self.root)!r})"
+
+    # -- files -------------------------------------------------------------------------------
+
+    def path(self, rel: str) -> Path:
+        """The absolute path of ``rel`` below this root."""
+        return self.root / rel.lstrip("/")
+
+    def display(self, rel: str) -> str:
+        """How a path is shown to people: absolute, as the kernel names it, under this root."""
+        return str(self.path(rel))
+
+    def exists(self, rel: str) -> bool:
+        return self.path(rel).exists()
+
+    def read(self, rel: str) -> str:
+        """The stripped text of a file."""
+        return self.path(rel).read_text().strip()
+
+    def write(self, rel: str, value: str) -> None:
+        """Write ``value`` to an existing file (never creates one: a missing knob is an error)."""
+        fd = os.open(self.path(rel), os.O_WRONLY | os.O_TRUNC)
+        try:
+            os.write(fd, value.encode())
+        finally:
+            os.close(fd)
+
+    def glob(self, pattern: str) -> list[str]:
+        """Paths (relative to the root) matching ``pattern``, in natural sort order."""
+        base = str(self.root).rstrip("/") + "/"
+        found = glob_mod.glob(base + pattern.lstrip("/"))
+        return sorted((p[len(base):] for p in found), key=_natural_key)
+
+    # -- CPUs --------------------------------------------------------------------------------
+
+    def online_cpus(self) -> list[int]:
+        """Online CPU numbers, from the kernel's ``online`` list."""
+        try:
+            return parse_cpu_list(self.read(CPU_ONLINE))
+        except FileNotFoundError:
+            return []
+
+    def cpuinfo(self) -> dict[str, str]:
+        """The first processor's fields of /proc/cpuinfo (vendor_id, flags, model name…)."""
+        info: dict[str, str] = {}
+        try:
+            text = self.path(CPUINFO).read_text()
+        except FileNotFoundError:
+            return info
+        for line in text.splitlines():
+            if not line.strip():
+                if info:
+                    break
+                continue
+            key, _, value = line.partition(":")
+            info[key.strip()] = value.strip()
+        return info
+
+    def cpu_vendor(self) -> str:
+        """``GenuineIntel``, ``AuthenticAMD``… or an empty string when unknown."""
+        return self.cpuinfo().get("vendor_id", "")
+
+    def cpu_flags(self) -> set[str]:
+        return set(self.cpuinfo().get("flags", "").split())
+
+    # -- MSRs --------------------------------------------------------------------------------
+
+    def msr_path(self, cpu: int) -> str:
+        return f"dev/cpu/{cpu}/msr"
+
+    def msr_available(self, cpu: int = 0) -> bool:
+        return self.exists(self.msr_path(cpu))
+
+    def read_msr(self, cpu: int, reg: int) -> int:
+        """The 64-bit value of register ``reg`` on ``cpu``."""
+        path = self.path(self.msr_path(cpu))
+        if path.is_dir():
+            data = (path / f"{reg:#x}").read_bytes()
+        else:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                data = os.pread(fd, 8, reg)
+            finally:
+                os.close(fd)
+        if len(data) != 8:
+            raise OSError(errno_mod.EIO, f"short read of MSR {reg:#x}")
+        return struct.unpack("<Q", data)[0]
+
+    def write_msr(self, cpu: int, reg: int, value: int) -> None:
+        """Write the 64-bit ``value`` to register ``reg`` on ``cpu``."""
+        path = self.path(self.msr_path(cpu))
+        data = struct.pack("<Q", value)
+        if path.is_dir():
+            fd = os.open(path / f"{reg:#x}", os.O_WRONLY | os.O_TRUNC)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            return
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, reg)
+        finally:
+            os.close(fd)
+
+    # -- PM QoS ------------------------------------------------------------------------------
+
+    def pm_qos_available(self) -> bool:
+        return self.exists(PM_QOS_DEVICE)
+
+    def pm_qos_effective(self) -> int:
+        """The system-wide CPU latency limit in µs that the kernel currently enforces."""
+        with open(self.path(PM_QOS_DEVICE), "rb") as f:
+            return struct.unpack("<i", f.read(4))[0]
+
+    def pm_qos_held(self) -> int | None:
+        """The latency request this process holds, or None."""
+        return self._pm_qos_value
+
+    def pm_qos_hold(self, latency_us: int) -> None:
+        """Hold a CPU latency request; the kernel drops it when this process dies."""
+        if self._pm_qos_fd is None:
+            self._pm_qos_fd = os.open(self.path(PM_QOS_DEVICE), os.O_WRONLY)
+        os.write(self._pm_qos_fd, struct.pack("<i", latency_us))
+        self._pm_qos_value = latency_us
+
+    def pm_qos_release(self) -> None:
+        """Drop the request this process holds, if any."""
+        if self._pm_qos_fd is not None:
+            os.close(self._pm_qos_fd)
+        self._pm_qos_fd = None
+        self._pm_qos_value = None
+
+
+def _natural_key(path: str) -> list[object]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path)]

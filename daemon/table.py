@@ -1,0 +1,16 @@
+"""Plain-text tables for terminals and scripts."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def render(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Columns padded to their widest cell; the last column is never padded."""
+    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = []
+    for row in cells:
+        padded = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])] + [row[-1]]
+        lines.append("  ".join(padded).rstrip())
+    return "\n".join(lines)

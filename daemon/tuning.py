@@ -1,0 +1,304 @@
+"""Apply, switch, verify and restore profiles (DESIGN.md, "State and rollback").
+
+Rules kept here and nowhere else: the original of a knob is journaled before its first write;
+writes that change nothing are skipped; a switch either fully happens or is fully undone; restore
+goes in reverse order of first writes and removes the journal only when everything is back.
+"""
+
+from __future__ import annotations
+
+import os
+from copy import deepcopy
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .knobs import holds, knob_from_key
+from .profiles import Profile
+from .state import Journal, JournalState, Original
+from .sysroot import KnobError, SysRoot
+from .tunable import Setting, Skip, Tunable, TunableInfo
+
+BeforeWrite = Callable[[str, str, str], None]
+
+
+@dataclass(frozen=True)
+class Change:
+    """One knob: where it is, its value now, and the value it should get."""
+
+    tunable: str
+    key: str
+    where: str
+    current: str
+    wanted: str
+
+
+@dataclass
+class Plan:
+    """What applying a profile would do, from the state the machine is in now."""
+
+    profile: str
+    changes: list[Change] = field(default_factory=list)
+    unchanged: list[Change] = field(default_factory=list)
+    releases: list[Change] = field(default_factory=list)
+    skips: list[Skip] = field(default_factory=list)
+    unsupported: dict[str, str] = field(default_factory=dict)
+    wanted: dict[str, str] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
+
+    @property
+    def writes(self) -> list[Change]:
+        """Knobs left behind go back first, then the new profile's changes."""
+        return self.releases + self.changes
+
+
+@dataclass(frozen=True)
+class Drift:
+    """A knob that no longer holds what the active profile wants."""
+
+    tunable: str
+    key: str
+    where: str
+    wanted: str
+    actual: str
+
+
+@dataclass
+class Verification:
+    """The active profile, the knobs that drifted, and notes that are not drift."""
+
+    profile: str | None
+    drift: list[Drift] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+class TuningError(Exception):
+    """A profile could not be planned (a knob could not be read); nothing was written."""
+
+
+class ApplyFailed(Exception):
+    """A write failed; this switch's writes were undone (see ``undo_errors`` if not all)."""
+
+    def __init__(self, cause: KnobError, previous: str | None, undo_errors: list[KnobError]) -> None:
+        self.cause = cause
+        self.undo_errors = undo_errors
+        if undo_errors:
+            tail = ("; undoing also failed for " + "; ".join(str(e) for e in undo_errors)
+                    + " — run `dsr1d restore`")
+        else:
+            tail = f"; nothing changed, {previous or 'no profile'} still in force"
+        super().__init__(f"{cause}{tail}")
+
+
+class Tuner:
+    """The tuning core, bound to one hardware root, its tunables and its journal."""
+
+    def __init__(self, root: SysRoot, tunables: dict[str, Tunable], journal: Journal,
+                 before_write: BeforeWrite | None = None) -> None:
+        self.root = root
+        self.tunables = tunables
+        self.journal = journal
+        self._before_write = before_write or (lambda target, key, value: None)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def probe(self) -> list[TunableInfo]:
+        """Every tunable: supported here or not, why, and its current values."""
+        infos = []
+        for name, tunable in self.tunables.items():
+            support = tunable.probe(self.root)
+            current = tunable.read(self.root) if support.supported else {}
+            infos.append(TunableInfo(name, tunable.summary, support, current))
+        return infos
+
+    def active(self) -> str | None:
+        """The profile the journal says is applied, if any."""
+        state = self.journal.load()
+        return state.profile if state else None
+
+    def plan(self, profile: Profile, cpus: list[int] | None = None) -> Plan:
+        """What applying ``profile`` would change; writes nothing (the dry run)."""
+        return self._plan(profile, self.journal.load() or self.journal.new(), cpus)
+
+    def verify(self) -> Verification:
+        """Compare every knob the active profile set with what it wants."""
+        state = self.journal.load()
+        result = Verification(state.profile if state else None)
+        if state is None:
+            return result
+        holder_alive = _alive(state.pid)
+        for key, wanted in state.wanted.items():
+            original = state.original(key)
+            tunable = original.tunable if original else "?"
+            knob = knob_from_key(key)
+            try:
+                if holds(knob, self.root, wanted):
+                    continue
+                actual = knob.read(self.root)
+            except OSError as exc:
+                actual = f"unreadable ({exc.strerror})"
+            if getattr(knob, "lives_with_process", False) and not holder_alive:
+                result.notes.append(f"{tunable}: {knob.where(self.root)} {wanted}: the request "
+                                    f"ended with process {state.pid}, which applied it")
+                continue
+            result.drift.append(Drift(tunable, key, knob.where(self.root), wanted, actual))
+        return result
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def switch(self, profile: Profile) -> Plan:
+        """Apply ``profile`` (from nothing or from the active one), all or nothing."""
+        state = self.journal.load() or self.journal.new()
+        plan = self._plan(profile, state)
+        pending = deepcopy(state)
+        for change in plan.changes:
+            if pending.original(change.key) is None:
+                pending.originals.append(Original(change.key, change.tunable, change.current))
+        if plan.changes:
+            self.journal.save(pending)
+        done: list[Change] = []
+        try:
+            for change in plan.writes:
+                self._write(change.tunable, change.key, change.wanted)
+                done.append(change)
+        except KnobError as exc:
+            undo_errors = self._undo(done)
+            if not undo_errors:
+                self._save_or_remove(state)
+            raise ApplyFailed(exc, state.profile, undo_errors) from None
+        pending.originals = [o for o in pending.originals if o.key not in plan.dropped]
+        pending.profile = profile.name
+        pending.wanted = plan.wanted
+        self.journal.save(pending)
+        return plan
+
+    def restore(self) -> tuple[list[Change], list[KnobError]]:
+        """Put every journaled knob back, newest first; keep the journal for what failed.
+
+        Returns the knobs that were written back and the errors of those that could not be.
+        """
+        state = self.journal.load()
+        self.root.pm_qos_release()
+        if state is None:
+            return [], []
+        restored: list[Change] = []
+        errors: list[KnobError] = []
+        kept: list[Original] = []
+        for original in reversed(state.originals):
+            try:
+                knob = knob_from_key(original.key)
+                current = knob.read(self.root)
+                if current != original.value:
+                    self._write(original.tunable, original.key, original.value)
+                    restored.append(Change(original.tunable, original.key, knob.where(self.root),
+                                           current, original.value))
+            except KnobError as exc:
+                errors.append(exc)
+                kept.append(original)
+            except (OSError, ValueError) as exc:
+                errors.append(KnobError(original.tunable, original.key, _as_oserror(exc), "read"))
+                kept.append(original)
+        if errors:
+            self.journal.save(JournalState(state.root, list(reversed(kept)), pid=state.pid))
+        else:
+            self.journal.remove()
+        return restored, errors
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _settings(self, profile: Profile, plan: Plan, cpus: list[int] | None) -> list[Setting]:
+        settings: dict[str, Setting] = {}
+        for name, tunable in self.tunables.items():
+            options = profile.sections.get(name)
+            if not options:
+                continue
+            support = tunable.probe(self.root)
+            if not support.supported:
+                plan.unsupported[name] = support.detail
+                continue
+            try:
+                actions = tunable.apply(self.root, options, cpus)
+            except OSError as exc:
+                raise TuningError(f"{name}: cannot plan: {exc}") from None
+            for action in actions:
+                if isinstance(action, Skip):
+                    plan.skips.append(action)
+                else:
+                    settings[action.knob.key] = action
+        return list(settings.values())
+
+    def _plan(self, profile: Profile, state: JournalState, cpus: list[int] | None = None) -> Plan:
+        plan = Plan(profile.name)
+        settings = self._settings(profile, plan, cpus)
+        for setting in settings:
+            current = self._read(setting.tunable, setting.knob.key)
+            change = Change(setting.tunable, setting.knob.key, setting.knob.where(self.root),
+                            current, setting.value)
+            (plan.changes if current != setting.value else plan.unchanged).append(change)
+            plan.wanted[setting.knob.key] = setting.value
+        if cpus is not None:
+            # A partial (per-CPU) apply keeps everything else the profile set.
+            plan.wanted = {**state.wanted, **plan.wanted}
+            return plan
+        for original in state.originals:
+            if original.key in plan.wanted:
+                continue
+            knob = knob_from_key(original.key)
+            try:
+                current = knob.read(self.root)
+            except OSError as exc:
+                plan.skips.append(Skip(original.tunable, original.key,
+                                       f"cannot read to restore: {exc.strerror}; kept in journal"))
+                continue
+            plan.dropped.append(original.key)
+            if current != original.value:
+                plan.releases.append(Change(original.tunable, original.key, knob.where(self.root),
+                                            current, original.value))
+        return plan
+
+    def _read(self, tunable: str, key: str) -> str:
+        knob = knob_from_key(key)
+        try:
+            return knob.read(self.root)
+        except OSError as exc:
+            raise TuningError(str(KnobError(tunable, knob.where(self.root), exc, "read"))) from None
+
+    def _write(self, tunable: str, key: str, value: str) -> None:
+        knob = knob_from_key(key)
+        self._before_write("knob", key, value)
+        try:
+            knob.write(self.root, value)
+        except OSError as exc:
+            raise KnobError(tunable, knob.where(self.root), exc, f"write {value!r} to") from None
+
+    def _undo(self, done: list[Change]) -> list[KnobError]:
+        errors = []
+        for change in reversed(done):
+            try:
+                self._write(change.tunable, change.key, change.current)
+            except KnobError as exc:
+                errors.append(exc)
+        return errors
+
+    def _save_or_remove(self, state: JournalState) -> None:
+        if state.originals or state.profile:
+            self.journal.save(state)
+        else:
+            self.journal.remove()
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _as_oserror(exc: Exception) -> OSError:
+    return exc if isinstance(exc, OSError) else OSError(0, str(exc))

@@ -1,0 +1,128 @@
+"""Builders for a fake hardware root: a temporary tree shaped like /sys, /proc and /dev.
+
+MSRs follow the project's convention: ``dev/cpu/N/msr`` is a directory holding one 8-byte
+little-endian file per register, named by its lowercase hex number.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+CPU = "sys/devices/system/cpu"
+THP = "sys/kernel/mm/transparent_hugepage"
+THP_ENABLED = ("always", "madvise", "never")
+THP_DEFRAG = ("always", "defer", "defer+madvise", "madvise", "never")
+
+
+def _bracket(choices: tuple[str, ...], active: str) -> str:
+    return " ".join(f"[{c}]" if c == active else c for c in choices) + "\n"
+
+
+class FakeRoot:
+    """A fake machine under ``path``; every builder returns self so calls can chain."""
+
+    def __init__(self, path: Path, vendor: str = "GenuineIntel", flags: str = "fpu msr epb") -> None:
+        self.path = Path(path)
+        self.cpus: list[int] = []
+        self.write("proc/cpuinfo", f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: {flags}\n\n")
+        self.write(f"{CPU}/online", "")
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    # -- generic -----------------------------------------------------------------------------
+
+    def write(self, rel: str, text: str) -> FakeRoot:
+        target = self.path / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+        return self
+
+    def read(self, rel: str) -> str:
+        return (self.path / rel).read_text().strip()
+
+    def selected(self, rel: str) -> str:
+        """The bracketed choice of a select-style file."""
+        text = self.read(rel)
+        return text[text.index("[") + 1:text.index("]")]
+
+    # -- CPUs --------------------------------------------------------------------------------
+
+    def add_cpu(self, n: int, epb: int | None = None, epp: str | None = None,
+                online: bool = True) -> FakeRoot:
+        """A CPU, with EPB in sysfs and EPP in cpufreq when given."""
+        self.write(f"{CPU}/cpu{n}/topology/core_id", f"{n}\n")
+        if epb is not None:
+            self.write(f"{CPU}/cpu{n}/power/energy_perf_bias", f"{epb}\n")
+        if epp is not None:
+            self.write(f"{CPU}/cpu{n}/cpufreq/energy_performance_preference", f"{epp}\n")
+            self.write(f"{CPU}/cpu{n}/cpufreq/energy_performance_available_preferences",
+                       "default performance balance_performance balance_power power\n")
+        if online and n not in self.cpus:
+            self.cpus.append(n)
+            self.cpus.sort()
+        self.write(f"{CPU}/online", ",".join(map(str, self.cpus)) + "\n")
+        return self
+
+    def add_msr(self, cpu: int, reg: int, value: int) -> FakeRoot:
+        target = self.path / f"dev/cpu/{cpu}/msr/{reg:#x}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(struct.pack("<Q", value))
+        return self
+
+    def msr(self, cpu: int, reg: int) -> int:
+        return struct.unpack("<Q", (self.path / f"dev/cpu/{cpu}/msr/{reg:#x}").read_bytes())[0]
+
+    # -- idle --------------------------------------------------------------------------------
+
+    def add_cpuidle(self, states: list[tuple[str, int]], governor: str = "menu",
+                    available: str = "ladder menu teo haltpoll", driver: str = "intel_idle") -> FakeRoot:
+        """Idle states ``(name, exit latency µs)`` on every CPU added so far, and the governor."""
+        self.write(f"{CPU}/cpuidle/current_governor", f"{governor}\n")
+        self.write(f"{CPU}/cpuidle/available_governors", f"{available}\n")
+        self.write(f"{CPU}/cpuidle/current_driver", f"{driver}\n")
+        for cpu in self.cpus:
+            for k, (name, latency) in enumerate(states):
+                base = f"{CPU}/cpu{cpu}/cpuidle/state{k}"
+                self.write(f"{base}/name", f"{name}\n")
+                self.write(f"{base}/latency", f"{latency}\n")
+                self.write(f"{base}/disable", "0\n")
+                self.write(f"{base}/usage", "0\n")
+        return self
+
+    def state_disabled(self, cpu: int, name: str) -> str:
+        for state in sorted((self.path / f"{CPU}/cpu{cpu}/cpuidle").glob("state*")):
+            if (state / "name").read_text().strip() == name:
+                return (state / "disable").read_text().strip()
+        raise KeyError(name)
+
+    def add_pm_qos(self, effective: int = 2_000_000_000) -> FakeRoot:
+        target = self.path / "dev/cpu_dma_latency"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(struct.pack("<i", effective))
+        return self
+
+    def pm_qos(self) -> int:
+        return struct.unpack("<i", (self.path / "dev/cpu_dma_latency").read_bytes()[-4:])[0]
+
+    # -- memory ------------------------------------------------------------------------------
+
+    def add_thp(self, enabled: str = "madvise", defrag: str = "madvise",
+                khugepaged_defrag: str = "1") -> FakeRoot:
+        self.write(f"{THP}/enabled", _bracket(THP_ENABLED, enabled))
+        self.write(f"{THP}/defrag", _bracket(THP_DEFRAG, defrag))
+        self.write(f"{THP}/khugepaged/defrag", f"{khugepaged_defrag}\n")
+        return self
+
+
+def intel_box(path: Path, cpus: int = 4) -> FakeRoot:
+    """An Intel server with every tunable present: EPB/EPP, idle states, MSRs, PM QoS, THP."""
+    fake = FakeRoot(path)
+    for n in range(cpus):
+        fake.add_cpu(n, epb=6, epp="balance_performance")
+        fake.add_msr(n, 0x1A4, 0)
+        fake.add_msr(n, 0x1B0, 6)
+        fake.add_msr(n, 0xE2, 0x8)
+    fake.add_cpuidle([("POLL", 0), ("C1", 2), ("C1E", 10), ("C6", 170)])
+    return fake.add_pm_qos().add_thp()
