@@ -54,6 +54,7 @@ class SysRoot:
         self.root = Path(root).resolve()
         self._pm_qos_fd: int | None = None
         self._pm_qos_value: int | None = None
+        self._cpuinfo: dict[str, str] | None = None  # fixed for the life of the machine
 
     def __repr__(self) -> str:
         return f"SysRoot({str(self.root)!r})"
@@ -100,6 +101,11 @@ class SysRoot:
 
     def cpuinfo(self) -> dict[str, str]:
         """The first processor's fields of /proc/cpuinfo (vendor_id, flags, model name…)."""
+        if self._cpuinfo is None:
+            self._cpuinfo = self._read_cpuinfo()
+        return self._cpuinfo
+
+    def _read_cpuinfo(self) -> dict[str, str]:
         info: dict[str, str] = {}
         try:
             text = self.path(CPUINFO).read_text()

@@ -19,6 +19,12 @@ def _bracket(choices: tuple[str, ...], active: str) -> str:
     return " ".join(f"[{c}]" if c == active else c for c in choices) + "\n"
 
 
+def _value(text: str) -> str:
+    if "[" in text and "]" in text:
+        return text[text.index("[") + 1:text.index("]")]
+    return text
+
+
 class FakeRoot:
     """A fake machine under ``path``; every builder returns self so calls can chain."""
 
@@ -43,9 +49,23 @@ class FakeRoot:
         return (self.path / rel).read_text().strip()
 
     def selected(self, rel: str) -> str:
-        """The bracketed choice of a select-style file."""
-        text = self.read(rel)
-        return text[text.index("[") + 1:text.index("]")]
+        """The active choice of a select-style file (sysfs brackets it; a written fake file
+        holds just the word)."""
+        return _value(self.read(rel))
+
+    def snapshot(self) -> dict[str, object]:
+        """Every knob's value as the kernel would report it.
+
+        Leaves out the journal and dev/cpu_dma_latency: a PM QoS request is not a stored value
+        (the kernel drops it when its holder closes the device), which a plain file cannot show.
+        """
+        out: dict[str, object] = {}
+        for p in sorted(self.path.rglob("*")):
+            rel = str(p.relative_to(self.path))
+            if p.is_file() and not rel.startswith("run/") and rel != "dev/cpu_dma_latency":
+                data = p.read_bytes()
+                out[rel] = data if "/msr/" in rel else _value(data.decode().strip())
+        return out
 
     # -- CPUs --------------------------------------------------------------------------------
 
