@@ -143,6 +143,11 @@ def parser() -> argparse.ArgumentParser:
     apply.add_argument("profile")
     apply.add_argument("--dry-run", action="store_true", help="show the plan, write nothing")
     sub.add_parser("verify", parents=[common], help="compare every knob with the active profile")
+    run = sub.add_parser("run", parents=[common], help="the daemon (systemd runs this)")
+    run.add_argument("--config", help="configuration file (default /etc/dsr1d/dsr1d.conf)")
+    run.add_argument("--bus-address", help="D-Bus address (default: the system bus, or "
+                     "$DBUS_SYSTEM_BUS_ADDRESS)")
+    run.add_argument("--verbose", action="store_true", help="debug logging")
     restore = sub.add_parser("restore", parents=[common], help="put back every changed knob")
     restore.add_argument("--discard", action="store_true",
                          help="move an unusable journal aside without restoring anything")
@@ -151,6 +156,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.command == "run":
+        from .service import main as run_daemon
+
+        return run_daemon(args.config, args.bus_address, getattr(args, "root", None),
+                          getattr(args, "journal", None), getattr(args, "profiles_dir", None),
+                          args.verbose)
     try:
         core = build_core(getattr(args, "root", "/"), getattr(args, "journal", None),
                           getattr(args, "profiles_dir", None))

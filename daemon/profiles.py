@@ -168,7 +168,7 @@ class ProfileStore:
         for name, entries in sections.items():
             if name not in self.schemas:
                 known = ", ".join(sorted(self.schemas))
-                line = _section_line(path, name)
+                line = section_line(path, name)
                 raise ProfileError(path, line, f"unknown section [{name}] (known: {known})")
         merged: Sections = {}
         include = sections.get("main", {}).get("include")
@@ -216,7 +216,7 @@ def _include_names(include: Entry | None) -> list[str]:
         raise ProfileError(include.file, include.line, "include: expected profile names") from None
 
 
-def _section_line(path: Path, section: str) -> int:
+def section_line(path: Path, section: str) -> int:
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if line.strip() == f"[{section}]":
             return number

@@ -145,10 +145,13 @@ class Tuner:
 
     # -- writing -----------------------------------------------------------------------------
 
-    def switch(self, profile: Profile) -> Plan:
-        """Apply ``profile`` (from nothing or from the active one), all or nothing."""
+    def switch(self, profile: Profile, cpus: list[int] | None = None) -> Plan:
+        """Apply ``profile`` (from nothing or from the active one), all or nothing.
+
+        With ``cpus``, only the per-CPU knobs of those CPUs (for CPUs that came online).
+        """
         state = self.journal.load() or self.journal.new()
-        plan = self._plan(profile, state)
+        plan = self._plan(profile, state, cpus)
         pending = deepcopy(state)
         for change in plan.changes:
             if pending.original(change.key) is None:

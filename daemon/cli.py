@@ -1,0 +1,239 @@
+"""``dsr1ctl``: the client people and scripts type, talking to the running daemon over D-Bus.
+
+Exit status: 0 done; 1 the daemon could not do it (a write failed, drift found); 2 bad input
+(usage, unknown profile, wrong arguments); 3 the daemon is not reachable; 4 access denied.
+``hold`` exits with the status of the command it ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from dbus_fast import BusType, Message, MessageType, Variant
+from dbus_fast.aio import MessageBus
+
+from .table import render
+
+BUS_NAME, PATH, MANAGER = "org.dsr1d", "/org/dsr1d", "org.dsr1d.Manager1"
+EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_DENIED = 1, 2, 3, 4
+_USAGE_ERRORS = ("UnknownProfile", "InvalidProfile", "InvalidArgs", "NoSuchHold", "NotHolder",
+                 "InvalidArgument")
+
+
+class ClientError(Exception):
+    """A D-Bus error reply, with the exit status it maps to."""
+
+    def __init__(self, name: str, message: str) -> None:
+        self.name = name
+        self.message = message
+        super().__init__(message)
+
+    @property
+    def exit_code(self) -> int:
+        short = self.name.rsplit(".", 1)[-1]
+        if short == "AccessDenied":
+            return EXIT_DENIED
+        if short in _USAGE_ERRORS:
+            return EXIT_USAGE
+        if short in ("ServiceUnknown", "NameHasNoOwner", "NoReply", "Disconnected"):
+            return EXIT_UNREACHABLE
+        return EXIT_FAILED
+
+
+class Client:
+    """A thin D-Bus client of ``org.dsr1d``."""
+
+    def __init__(self, bus: MessageBus) -> None:
+        self.bus = bus
+
+    @classmethod
+    async def connect(cls, address: str | None) -> Client:
+        bus = MessageBus(bus_address=address) if address else MessageBus(bus_type=BusType.SYSTEM)
+        return cls(await bus.connect())
+
+    async def call(self, member: str, signature: str = "", *body: Any,
+                   interface: str = MANAGER) -> list[Any]:
+        reply = await self.bus.call(Message(destination=BUS_NAME, path=PATH, interface=interface,
+                                            member=member, signature=signature, body=list(body)))
+        if reply.message_type == MessageType.ERROR:
+            text = reply.body[0] if reply.body else reply.error_name
+            raise ClientError(reply.error_name, str(text))
+        return reply.body
+
+    async def properties(self) -> dict[str, Any]:
+        (values,) = await self.call("GetAll", "s", MANAGER,
+                                    interface="org.freedesktop.DBus.Properties")
+        return {k: v.value for k, v in values.items()}
+
+    async def telemetry(self) -> dict[str, Any]:
+        (values,) = await self.call("GetTelemetry")
+        return {k: v.value if isinstance(v, Variant) else v for k, v in values.items()}
+
+
+def _mean(values: list[float]) -> str:
+    return f"{sum(values) / len(values):.0f}" if values else "-"
+
+
+def _telemetry_line(t: dict[str, Any]) -> str:
+    parts = [f"load {t.get('load_1m', 0):.2f}",
+             f"cpu {_mean(t.get('cpu_util_percent', []))}%"]
+    if "cpu_freq_mhz" in t:
+        parts.append(f"{_mean(t['cpu_freq_mhz'])} MHz")
+    for key, unit in (("package_temp_c", "°C"), ("package_power_w", "W"),
+                      ("engine_tokens_per_s", "tok/s")):
+        if key in t:
+            parts.append(f"{t[key]:.1f} {unit}")
+    return ", ".join(parts)
+
+
+async def cmd_status(client: Client, args: argparse.Namespace) -> int:
+    props = await client.properties()
+    print(f"profile:    {props['ActiveProfile']}")
+    holds = props.get("Holds", [])
+    print(f"holds:      {len(holds) or 'none'}")
+    for cookie, profile, reason, app in holds:
+        print(f"  #{cookie} {profile} by {app or '?'}: {reason}")
+    print(f"throttle:   {props['ThrottleState']}"
+          + (f" ({', '.join(props['Mitigations'])})" if props["Mitigations"] else ""))
+    print(f"telemetry:  {_telemetry_line(await client.telemetry())}")
+    print(f"version:    {props['Version']}")
+    print()
+    print(render(("TUNABLE", "SUPPORTED", "DETAIL"),
+                 [(n, "yes" if ok else "no", detail) for n, ok, detail in props["Tunables"]]))
+    return 0
+
+
+async def cmd_list(client: Client, args: argparse.Namespace) -> int:
+    (profiles,) = await client.call("ListProfiles")
+    active = (await client.properties())["ActiveProfile"]
+    print(render(("", "PROFILE", "SUMMARY"),
+                 [("*" if n == active else "", n, s) for n, s in profiles]))
+    return 0
+
+
+async def cmd_profile(client: Client, args: argparse.Namespace) -> int:
+    await client.call("SwitchProfile", "s", args.name)
+    print(f"profile: {args.name}")
+    return 0
+
+
+async def cmd_verify(client: Client, args: argparse.Namespace) -> int:
+    ok, drift = await client.call("Verify")
+    if ok:
+        print("every knob holds its value")
+        return 0
+    print(f"{len(drift)} knob(s) drifted")
+    print(render(("KNOB", "WANTED", "ACTUAL"), drift))
+    return EXIT_FAILED
+
+
+async def cmd_hold(client: Client, args: argparse.Namespace) -> int:
+    command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
+    if not command:
+        print("dsr1ctl: hold needs a command: dsr1ctl hold PROFILE -- COMMAND…", file=sys.stderr)
+        return EXIT_USAGE
+    reason = args.reason or " ".join(command)
+    (cookie,) = await client.call("HoldProfile", "sss", args.profile, reason, "dsr1ctl")
+    try:
+        proc = await asyncio.create_subprocess_exec(*command)
+    except OSError as exc:
+        await client.call("ReleaseProfile", "u", cookie)
+        print(f"dsr1ctl: cannot run {command[0]}: {exc.strerror}", file=sys.stderr)
+        return 127
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, proc.send_signal, sig)
+    code = await proc.wait()
+    try:
+        await client.call("ReleaseProfile", "u", cookie)
+    except ClientError as exc:  # a manual switch may have cancelled it already
+        print(f"dsr1ctl: note: {exc.message}", file=sys.stderr)
+    return code if code >= 0 else 128 - code
+
+
+async def cmd_watch(client: Client, args: argparse.Namespace) -> int:
+    tty = sys.stdout.isatty()
+    count = 0
+    while args.count is None or count < args.count:
+        props, t = await client.properties(), await client.telemetry()
+        stamp = time.strftime("%H:%M:%S")
+        holds = f" (held: {props['Holds'][-1][1]})" if props["Holds"] else ""
+        line = (f"{stamp}  profile {props['ActiveProfile']}{holds}  "
+                f"throttle {props['ThrottleState']}  {_telemetry_line(t)}")
+        if tty:
+            per_cpu = t.get("cpu_util_percent", [])
+            mhz = t.get("cpu_freq_mhz", [None] * len(per_cpu))
+            rows = [(f"cpu{i}", f"{u:.0f}%", f"{m:.0f}" if m else "-")
+                    for i, (u, m) in enumerate(zip(per_cpu, mhz))]
+            sys.stdout.write("\033[H\033[2J" + line + "\n\n"
+                             + render(("CPU", "UTIL", "MHZ"), rows) + "\n")
+        else:
+            print(line)
+        sys.stdout.flush()
+        count += 1
+        if args.count is None or count < args.count:
+            await asyncio.sleep(args.interval)
+    return 0
+
+
+COMMANDS = {"status": cmd_status, "list": cmd_list, "profile": cmd_profile,
+            "verify": cmd_verify, "hold": cmd_hold, "watch": cmd_watch}
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="dsr1ctl", description="control the dsr1d daemon")
+    top.add_argument("--bus-address", default=os.environ.get("DSR1D_BUS_ADDRESS"),
+                     help="D-Bus address (default: the system bus)")
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("status", help="active profile, holds, tunables, telemetry")
+    sub.add_parser("list", help="the profiles (* = active)")
+    profile = sub.add_parser("profile", help="switch to a profile (cancels holds)")
+    profile.add_argument("name")
+    sub.add_parser("verify", help="compare every knob with the active profile")
+    hold = sub.add_parser("hold", help="hold a profile while a command runs")
+    hold.add_argument("profile")
+    hold.add_argument("--reason", help="shown in status (default: the command)")
+    hold.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- COMMAND…")
+    watch = sub.add_parser("watch", help="live view of profile and telemetry")
+    watch.add_argument("--interval", type=float, default=1.0, help="seconds between updates")
+    watch.add_argument("--count", type=int, help="stop after this many updates")
+    return top
+
+
+async def _main(args: argparse.Namespace) -> int:
+    try:
+        client = await Client.connect(args.bus_address)
+    except (OSError, ValueError) as exc:
+        print(f"dsr1ctl: cannot reach the bus: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    try:
+        return await COMMANDS[args.command](client, args)
+    except ClientError as exc:
+        if exc.exit_code == EXIT_UNREACHABLE:
+            print("dsr1ctl: dsr1d is not running (start it: systemctl start dsr1d)", file=sys.stderr)
+        elif exc.exit_code == EXIT_DENIED:
+            print(f"dsr1ctl: access denied: {args.command} needs root or membership in the "
+                  "dsr1d group", file=sys.stderr)
+        else:
+            print(f"dsr1ctl: {exc.message}", file=sys.stderr)
+        return exc.exit_code
+    finally:
+        client.bus.disconnect()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return asyncio.run(_main(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

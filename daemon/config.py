@@ -1,0 +1,82 @@
+"""The daemon's configuration file, ``/etc/dsr1d/dsr1d.conf``.
+
+Same INI dialect as profiles, so errors come as ``file:line: reason``. A missing file means the
+defaults; a broken one stops the daemon before it touches anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .profiles import ProfileError, parse_ini, section_line
+from .schema import Schema, option, word_list
+
+DEFAULT_PATH = Path("/etc/dsr1d/dsr1d.conf")
+
+
+def _positive_float(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{raw!r} is not a number") from None
+    if not 0.05 <= value <= 3600:
+        raise ValueError(f"{value} is outside 0.05..3600")
+    return value
+
+
+def _absolute(raw: str) -> str:
+    if not raw.startswith("/"):
+        raise ValueError(f"{raw!r} is not an absolute path")
+    return raw
+
+
+def _single(raw: str) -> str:
+    words = word_list(raw)
+    if len(words) != 1:
+        raise ValueError(f"expected one profile name, got {raw!r}")
+    return words[0]
+
+
+DAEMON_SCHEMA: Schema = {
+    "default_profile": option(_single, "profile applied at start", "name"),
+    "telemetry_interval_s": option(_positive_float, "seconds between telemetry samples", "s"),
+    "root": option(_absolute, "hardware root (/ on a real machine)", "path"),
+    "journal": option(_absolute, "journal path (default <root>/run/dsr1d/state.json)", "path"),
+    "profiles_dir": option(_absolute, "user profiles (default <root>/etc/dsr1d/profiles)", "path"),
+}
+
+
+@dataclass
+class Config:
+    """The daemon's settings, defaults filled in."""
+
+    path: Path | None = None
+    default_profile: str = "sustained"
+    telemetry_interval_s: float = 1.0
+    root: str = "/"
+    journal: str | None = None
+    profiles_dir: str | None = None
+
+
+def load_config(path: Path | None) -> Config:
+    """Read ``path`` (None or a missing default file: defaults); ProfileError when broken."""
+    if path is None or (path == DEFAULT_PATH and not path.exists()):
+        return Config(path=None)
+    if not path.exists():
+        raise ProfileError(path, 0, "no such file")
+    sections = parse_ini(path)
+    config = Config(path=path)
+    for name, entries in sections.items():
+        if name != "daemon":
+            raise ProfileError(path, section_line(path, name),
+                               f"unknown section [{name}] (known: daemon)")
+        for key, entry in entries.items():
+            if key not in DAEMON_SCHEMA:
+                known = ", ".join(sorted(DAEMON_SCHEMA))
+                raise ProfileError(entry.file, entry.line, f"unknown key {key!r} (known: {known})")
+            try:
+                setattr(config, key, DAEMON_SCHEMA[key].parse(entry.value))
+            except ValueError as exc:
+                raise ProfileError(entry.file, entry.line, f"{key}: {exc}") from None
+    return config

@@ -1,0 +1,326 @@
+"""The D-Bus adapter: ``org.dsr1d.Manager1`` on ``/org/dsr1d``. The only module importing dbus-fast.
+
+Methods are dispatched here rather than by dbus-fast, for three reasons dbus-fast's own dispatch
+cannot serve: a call with the wrong argument types must get ``InvalidArgs`` (dbus-fast answers
+``UnknownMethod``), a hold must know which connection made it, and every mutating call is
+authorised against the caller's uid even when the bus policy would let it through. Properties,
+signals and introspection stay with dbus-fast's ``ServiceInterface``.
+"""
+
+import asyncio
+import grp
+import logging
+import pwd
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from dbus_fast import BusType, Message, MessageType, Variant
+from dbus_fast import introspection as intr
+from dbus_fast.aio import MessageBus
+from dbus_fast.constants import PropertyAccess
+from dbus_fast.errors import DBusError
+from dbus_fast.service import ServiceInterface, dbus_property, signal
+from dbus_fast.signature import get_signature_tree
+
+from . import __version__
+from .manager import HoldError, Manager
+from .profiles import ProfileError, UnknownProfile
+from .state import JournalError
+from .sysroot import KnobError
+from .tuning import ApplyFailed, TuningError
+
+log = logging.getLogger("dsr1d")
+
+BUS_NAME = "org.dsr1d"
+PATH = "/org/dsr1d"
+MANAGER = "org.dsr1d.Manager1"
+ERROR = "org.dsr1d.Error."
+INVALID_ARGS = "org.freedesktop.DBus.Error.InvalidArgs"
+ADMIN_GROUP = "dsr1d"
+POLKIT_ACTIONS = {"SwitchProfile": "org.dsr1d.switch-profile", "Reload": "org.dsr1d.reload",
+                  "HoldProfile": "org.dsr1d.hold-profile", "ReleaseProfile": "org.dsr1d.hold-profile"}
+
+
+class AccessDenied(Exception):
+    """The caller may not change anything."""
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a method call."""
+
+    sender: str
+    uid: int
+
+
+@dataclass(frozen=True)
+class Method:
+    """One exported method: its D-Bus signature, whether it changes anything, its handler."""
+
+    name: str
+    in_args: tuple[tuple[str, str], ...]
+    out_sig: str
+    mutating: bool
+    call: Callable[..., Any]
+
+    @property
+    def in_sig(self) -> str:
+        return "".join(sig for _, sig in self.in_args)
+
+    @property
+    def out_types(self) -> list[str]:
+        return [t.signature for t in get_signature_tree(self.out_sig).types]
+
+    def body(self, result: Any) -> list[Any]:
+        """The reply body: a handler returns one value, or a list when there are several."""
+        count = len(self.out_types)
+        return [] if count == 0 else [result] if count == 1 else list(result)
+
+
+def error_reply(exc: Exception) -> tuple[str, str]:
+    """The D-Bus error name and one-line message for a domain error (one place for all)."""
+    names = {UnknownProfile: "UnknownProfile", ProfileError: "InvalidProfile",
+             ApplyFailed: "ApplyFailed", TuningError: "ApplyFailed", KnobError: "ApplyFailed",
+             AccessDenied: "AccessDenied", JournalError: "Journal"}
+    if isinstance(exc, HoldError):
+        return ERROR + exc.name, str(exc)
+    for kind, name in names.items():
+        if isinstance(exc, kind):
+            return ERROR + name, str(exc).splitlines()[0]
+    return ERROR + "Internal", f"internal error ({type(exc).__name__}); see the daemon's log"
+
+
+def to_variant(value: Any) -> Variant:
+    """A Variant for the plain values telemetry holds."""
+    if isinstance(value, bool):
+        return Variant("b", value)
+    if isinstance(value, int):
+        return Variant("x", value)
+    if isinstance(value, float):
+        return Variant("d", value)
+    if isinstance(value, str):
+        return Variant("s", value)
+    if isinstance(value, dict):
+        return Variant("a{sv}", {k: to_variant(v) for k, v in value.items()})
+    if isinstance(value, list) and all(isinstance(v, float) for v in value):
+        return Variant("ad", value)
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return Variant("ax", value)
+    return Variant("as", [str(v) for v in value])
+
+
+class Authorizer:
+    """Root, members of the ``dsr1d`` group, or a polkit "yes" may change things."""
+
+    def __init__(self, bus: MessageBus) -> None:
+        self.bus = bus
+
+    async def uid(self, sender: str) -> int:
+        reply = await self.bus.call(Message(
+            destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
+            interface="org.freedesktop.DBus", member="GetConnectionUnixUser",
+            signature="s", body=[sender]))
+        if reply.message_type != MessageType.METHOD_RETURN:
+            raise AccessDenied(f"cannot tell who {sender} is")
+        return int(reply.body[0])
+
+    async def check(self, caller: Caller, method: str) -> None:
+        if caller.uid == 0 or _in_group(caller.uid, ADMIN_GROUP):
+            return
+        if await self._polkit(caller, POLKIT_ACTIONS.get(method, "org.dsr1d.switch-profile")):
+            return
+        raise AccessDenied(f"{method} needs root, the {ADMIN_GROUP} group or polkit "
+                           f"authorisation (caller uid {caller.uid})")
+
+    async def _polkit(self, caller: Caller, action: str) -> bool:
+        subject = ["system-bus-name", {"name": Variant("s", caller.sender)}]
+        reply = await self.bus.call(Message(
+            destination="org.freedesktop.PolicyKit1", path="/org/freedesktop/PolicyKit1/Authority",
+            interface="org.freedesktop.PolicyKit1.Authority", member="CheckAuthorization",
+            signature="(sa{sv})sa{ss}us", body=[subject, action, {}, 0, ""]))
+        if reply.message_type != MessageType.METHOD_RETURN:
+            return False  # no polkit on this bus (or it refused): only root and the group
+        return bool(reply.body[0][0])
+
+
+def _in_group(uid: int, group: str) -> bool:
+    try:
+        entry = grp.getgrnam(group)
+        user = pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return user.pw_gid == entry.gr_gid or user.pw_name in entry.gr_mem
+
+
+class ManagerInterface(ServiceInterface):
+    """Properties, signals and introspection of ``org.dsr1d.Manager1``."""
+
+    def __init__(self, manager: Manager, methods: dict[str, Method]) -> None:
+        super().__init__(MANAGER)
+        self.manager = manager
+        self.methods = methods
+
+    @dbus_property(access=PropertyAccess.READ)
+    def ActiveProfile(self) -> "s":
+        return self.manager.active or ""
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Profiles(self) -> "as":
+        return list(self.manager.profiles)
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Tunables(self) -> "a(sbs)":
+        return [[t.name, t.support.supported, t.support.detail] for t in self.manager.tunables]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Holds(self) -> "a(usss)":
+        return [[h.cookie, h.profile, h.reason, h.application_id] for h in self.manager.holds]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def ThrottleState(self) -> "s":
+        return "none"
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Mitigations(self) -> "as":
+        return []
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Version(self) -> "s":
+        return __version__
+
+    @signal()
+    def ProfileChanged(self, old: str, new: str, reason: str) -> "sss":
+        return [old, new, reason]
+
+    @signal()
+    def ThrottleStateChanged(self, state: str, evidence: dict) -> "sa{sv}":
+        return [state, evidence]
+
+    def introspect(self) -> intr.Interface:
+        iface = super().introspect()
+        for method in self.methods.values():
+            in_args = [intr.Arg(sig, intr.ArgDirection.IN, name) for name, sig in method.in_args]
+            out_args = [intr.Arg(t, intr.ArgDirection.OUT) for t in method.out_types]
+            iface.methods.append(intr.Method(method.name, in_args, out_args))
+        return iface
+
+    def property_values(self, names: list[str]) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in names}
+
+
+class ManagerService:
+    """Exports the manager on a bus connection and dispatches its method calls."""
+
+    def __init__(self, bus: MessageBus, manager: Manager,
+                 reload: Callable[[], Awaitable[list[ProfileError]]],
+                 telemetry: Callable[[], dict[str, Any]]) -> None:
+        self.bus = bus
+        self.manager = manager
+        self.auth = Authorizer(bus)
+        self._reload = reload
+        self._telemetry = telemetry
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.methods = {m.name: m for m in self._methods()}
+        self.interface = ManagerInterface(manager, self.methods)
+        manager.profile_listeners.append(self.interface.ProfileChanged)
+        manager.change_listeners.append(self._properties_changed)
+
+    def _methods(self) -> list[Method]:
+        m = self.manager
+        return [
+            Method("SwitchProfile", (("profile", "s"),), "", True,
+                   lambda caller, name: m.switch(name)),
+            Method("ListProfiles", (), "a(ss)", False,
+                   lambda caller: [[n, p.summary] for n, p in m.profiles.items()]),
+            Method("Verify", (), "ba(sss)", False, lambda caller: self._verify()),
+            Method("Reload", (), "", True, lambda caller: self._reload_checked()),
+            Method("HoldProfile", (("profile", "s"), ("reason", "s"), ("application_id", "s")),
+                   "u", True, lambda caller, p, r, a: self._hold(caller, p, r, a)),
+            Method("ReleaseProfile", (("cookie", "u"),), "", True,
+                   lambda caller, cookie: m.release(cookie, caller.sender)),
+            Method("GetTelemetry", (), "a{sv}", False,
+                   lambda caller: {k: to_variant(v) for k, v in self._telemetry().items()}),
+        ]
+
+    async def export(self) -> None:
+        self.bus.export(PATH, self.interface)
+        self.bus.add_message_handler(self._handle)
+        await self.bus.call(Message(
+            destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
+            interface="org.freedesktop.DBus", member="AddMatch", signature="s",
+            body=["type='signal',sender='org.freedesktop.DBus',member='NameOwnerChanged'"]))
+
+    def _verify(self) -> list[Any]:
+        result = self.manager.verify()
+        drift = [[f"{d.tunable}:{d.where}", d.wanted, d.actual] for d in result.drift]
+        return [not drift, drift]
+
+    async def _reload_checked(self) -> None:
+        errors = await self._reload()
+        if errors:
+            raise ProfileError(errors[0].file, errors[0].line,
+                               f"{errors[0].reason} (reloaded the rest; the previous version "
+                               f"of a rejected profile stays)")
+
+    async def _hold(self, caller: Caller, profile: str, reason: str, app_id: str) -> int:
+        cookie = self.manager.hold(profile, reason, app_id, caller.sender)
+        reply = await self.bus.call(Message(
+            destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
+            interface="org.freedesktop.DBus", member="GetNameOwner", signature="s",
+            body=[caller.sender]))
+        if reply.message_type == MessageType.ERROR:   # it left before we could watch it
+            self.manager.release_owner(caller.sender)
+        return cookie
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    def _handle(self, msg: Message) -> Any:
+        if msg.message_type == MessageType.SIGNAL:
+            self._owner_changed(msg)
+            return None
+        if (msg.message_type != MessageType.METHOD_CALL or msg.path != PATH
+                or msg.interface not in (MANAGER, None)):
+            return None
+        method = self.methods.get(msg.member)
+        if method is None:
+            return None
+        if msg.signature != method.in_sig:
+            return Message.new_error(msg, INVALID_ARGS, f"{method.name} takes ({method.in_sig}), "
+                                     f"got ({msg.signature})")
+        task = asyncio.get_running_loop().create_task(self._run(method, msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return True
+
+    async def _run(self, method: Method, msg: Message) -> None:
+        try:
+            caller = Caller(msg.sender, await self.auth.uid(msg.sender))
+            if method.mutating:
+                await self.auth.check(caller, method.name)
+            result = method.call(caller, *msg.body)
+            if asyncio.iscoroutine(result):
+                result = await result
+            reply = Message.new_method_return(msg, method.out_sig, method.body(result))
+        except Exception as exc:
+            name, text = error_reply(exc)
+            if name == ERROR + "Internal":
+                log.exception("%s failed", method.name)
+            elif name != ERROR + "AccessDenied":
+                log.warning("%s from %s: %s", method.name, msg.sender, text)
+            reply = Message.new_error(msg, name, text)
+        self.bus.send(reply)
+
+    def _owner_changed(self, msg: Message) -> None:
+        if (msg.member == "NameOwnerChanged" and msg.sender == "org.freedesktop.DBus"
+                and len(msg.body) == 3 and msg.body[0].startswith(":") and not msg.body[2]):
+            self.manager.release_owner(msg.body[0])
+
+    def _properties_changed(self, names: list[str]) -> None:
+        self.interface.emit_properties_changed(self.interface.property_values(names))
+
+
+async def connect(address: str | None) -> MessageBus:
+    """Connect to ``address``, or to the system bus (``$DBUS_SYSTEM_BUS_ADDRESS`` honoured)."""
+    if address:
+        return await MessageBus(bus_address=address).connect()
+    return await MessageBus(bus_type=BusType.SYSTEM).connect()

@@ -1,0 +1,224 @@
+"""The daemon's control logic: which profile is active, holds, reload, stop. No D-Bus here.
+
+Holds work like power-profiles-daemon's: while any hold lasts, the most recent hold's profile
+is active (holds stack; releasing the newest falls back to the one before it, and the last one
+back to the profile chosen by hand or by the configuration). A manual switch cancels every hold.
+A hold belongs to the bus connection that made it and ends when that connection leaves the bus.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from .config import Config
+from .context import Core
+from .profiles import Profile, ProfileError, UnknownProfile
+from .tunable import TunableInfo
+from .tuning import ApplyFailed, Plan, Verification
+
+log = logging.getLogger("dsr1d")
+
+
+class HoldError(Exception):
+    """A release that names no hold, or a hold that belongs to someone else."""
+
+    def __init__(self, name: str, message: str) -> None:
+        self.name = name
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class Hold:
+    """A profile held on behalf of a bus client."""
+
+    cookie: int
+    profile: str
+    reason: str
+    application_id: str
+    owner: str
+
+
+ProfileListener = Callable[[str, str, str], None]
+ChangeListener = Callable[[list[str]], None]
+
+
+class Manager:
+    """Owns the active profile and the holds; every change goes through the tuning core."""
+
+    def __init__(self, core: Core, config: Config) -> None:
+        self.core = core
+        self.config = config
+        self.profiles: dict[str, Profile] = {}
+        self.selected = config.default_profile
+        self.selected_by_hand = False
+        self.active: str | None = None
+        self.holds: list[Hold] = []
+        self.tunables: list[TunableInfo] = []
+        self._next_cookie = 1
+        self.profile_listeners: list[ProfileListener] = []
+        self.change_listeners: list[ChangeListener] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Recover a leftover journal, load profiles, apply the default profile."""
+        self.recover()
+        self.profiles = self._load_profiles(previous={})
+        self.tunables = self.core.tuner.probe()
+        for info in self.tunables:
+            if not info.support.supported:
+                log.info("tunable %s unsupported here: %s", info.name, info.support.detail,
+                         extra={"TUNABLE": info.name})
+        self._apply(self._profile(self.selected), "start")
+
+    def recover(self) -> None:
+        """Restore what a previous run left in the journal (it died without restoring)."""
+        state = self.core.journal.load()
+        if state is None:
+            return
+        log.warning("journal of a previous run (pid %d, profile %s) found: it died without "
+                    "restoring; restoring %d knob(s) now", state.pid, state.profile,
+                    len(state.originals))
+        restored, errors = self.core.tuner.restore()
+        for change in restored:
+            log.info("recovered %s: %s -> %s", change.where, change.current, change.wanted,
+                     extra={"TUNABLE": change.tunable})
+        if errors:
+            raise ApplyFailed(errors[0], None, errors[1:])
+
+    def stop(self) -> int:
+        """Restore every knob; returns how many could not be restored."""
+        restored, errors = self.core.tuner.restore()
+        log.info("stopped: restored %d knob(s)", len(restored))
+        for error in errors:
+            log.error("not restored: %s", error)
+        return len(errors)
+
+    def reload(self, config: Config | None = None) -> list[ProfileError]:
+        """Reload profiles (and a new config); broken profiles keep their previous version."""
+        errors: list[ProfileError] = []
+        if config is not None:
+            if (config.root, config.journal, config.profiles_dir) != (
+                    self.config.root, self.config.journal, self.config.profiles_dir):
+                log.warning("root, journal and profiles_dir changes take effect at restart")
+            self.config = config
+            if not self.selected_by_hand:
+                self.selected = config.default_profile
+        self.profiles = self._load_profiles(previous=self.profiles, errors=errors)
+        wanted = self.wanted()
+        if wanted not in self.profiles:
+            log.error("profile %s no longer exists; keeping %s", wanted, self.active)
+            return errors
+        self._apply(self.profiles[wanted], "reload", force=True)
+        self._changed(["Profiles"])
+        return errors
+
+    # -- what clients ask for ----------------------------------------------------------------
+
+    def wanted(self) -> str:
+        """The profile that should be active: the newest hold's, else the selected one."""
+        return self.holds[-1].profile if self.holds else self.selected
+
+    def switch(self, name: str) -> None:
+        """Switch by hand: cancels every hold. All or nothing."""
+        profile = self._profile(name)
+        self._apply(profile, "manual")
+        self.selected, self.selected_by_hand = name, True
+        if self.holds:
+            log.info("manual switch to %s cancels %d hold(s)", name, len(self.holds))
+            self.holds.clear()
+            self._changed(["Holds"])
+
+    def hold(self, name: str, reason: str, application_id: str, owner: str) -> int:
+        """Hold ``name`` for ``owner``; returns the cookie that releases it."""
+        profile = self._profile(name)
+        self._apply(profile, f"hold by {application_id or owner}: {reason}")
+        cookie = self._next_cookie
+        self._next_cookie += 1
+        self.holds.append(Hold(cookie, name, reason, application_id, owner))
+        log.info("hold %d: %s for %s (%s)", cookie, name, application_id or owner, reason,
+                 extra={"PROFILE": name})
+        self._changed(["Holds"])
+        return cookie
+
+    def release(self, cookie: int, owner: str) -> None:
+        """Release a hold made by ``owner``."""
+        hold = next((h for h in self.holds if h.cookie == cookie), None)
+        if hold is None:
+            raise HoldError("NoSuchHold", f"no hold with cookie {cookie}")
+        if hold.owner != owner:
+            raise HoldError("NotHolder", f"hold {cookie} belongs to another client")
+        self._drop([hold], f"hold {cookie} released")
+
+    def release_owner(self, owner: str) -> None:
+        """Release every hold of a client that left the bus."""
+        gone = [h for h in self.holds if h.owner == owner]
+        if gone:
+            self._drop(gone, f"holder {owner} left the bus")
+
+    def verify(self) -> Verification:
+        return self.core.tuner.verify()
+
+    def reapply_cpus(self, cpus: list[int]) -> Plan | None:
+        """Apply the active profile's per-CPU knobs to CPUs that came online."""
+        if self.active is None:
+            return None
+        plan = self.core.tuner.switch(self.profiles[self.active], cpus=cpus)
+        log.info("cpu %s online: re-applied %s (%d write(s))", ",".join(map(str, cpus)),
+                 self.active, len(plan.writes), extra={"PROFILE": self.active})
+        return plan
+
+    def status_line(self) -> str:
+        """The one line shown in ``systemctl status`` (sd_notify STATUS=)."""
+        holds = f", {len(self.holds)} hold(s): {self.holds[-1].profile}" if self.holds else ""
+        return f"profile {self.active or 'none'}{holds}"
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _profile(self, name: str) -> Profile:
+        if name not in self.profiles:
+            raise UnknownProfile(name, sorted(self.profiles))
+        return self.profiles[name]
+
+    def _load_profiles(self, previous: dict[str, Profile],
+                       errors: list[ProfileError] | None = None) -> dict[str, Profile]:
+        loaded, broken = self.core.store.load_all()
+        for error in broken:
+            name = error.file.rsplit("/", 1)[-1].removesuffix(".conf")
+            kept = " (keeping the previous version)" if name in previous else ""
+            log.error("profile rejected: %s%s", error, kept)
+            if name in previous:
+                loaded[name] = previous[name]
+        if errors is not None:
+            errors.extend(broken)
+        return dict(sorted(loaded.items()))
+
+    def _apply(self, profile: Profile, reason: str, force: bool = False) -> None:
+        if profile.name == self.active and not force:
+            return
+        plan = self.core.tuner.switch(profile)
+        old, self.active = self.active, profile.name
+        log.info("profile %s applied (%s): %d write(s), %d unsupported, %d skipped", profile.name,
+                 reason, len(plan.writes), len(plan.unsupported), len(plan.skips),
+                 extra={"PROFILE": profile.name})
+        for skip in plan.skips:
+            log.info("%s: skipped %s: %s", skip.tunable, skip.option, skip.reason,
+                     extra={"TUNABLE": skip.tunable})
+        if old != profile.name:
+            for listener in self.profile_listeners:
+                listener(old or "", profile.name, reason)
+            self._changed(["ActiveProfile"])
+
+    def _drop(self, holds: list[Hold], reason: str) -> None:
+        self.holds = [h for h in self.holds if h not in holds]
+        self._changed(["Holds"])
+        try:
+            self._apply(self._profile(self.wanted()), reason)
+        except (ApplyFailed, UnknownProfile) as exc:
+            log.error("could not switch back after %s: %s", reason, exc)
+
+    def _changed(self, names: list[str]) -> None:
+        for listener in self.change_listeners:
+            listener(names)

@@ -1,0 +1,149 @@
+"""``dsr1d run``: the asyncio daemon. Wires config, core, bus, udev, sd_notify and signals.
+
+Start: read the config (broken: say why and exit 78 without touching a knob), own
+``org.dsr1d`` (already owned: exit 1), restore a leftover journal, apply the default profile,
+export the API, ``READY=1``. SIGTERM/SIGINT: ``STOPPING=1``, restore every knob, release the
+name, exit 0. SIGHUP (or the ``Reload`` method): ``RELOADING=1``, reload config and profiles,
+``READY=1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from dbus_fast import NameFlag, RequestNameReply
+
+from .config import DEFAULT_PATH, Config, load_config
+from .context import build_core
+from .dbus_api import BUS_NAME, ManagerService, connect
+from .manager import Manager
+from .notify import notify, setup_logging, watchdog_interval_s
+from .profiles import ProfileError, UnknownProfile
+from .state import JournalError
+from .telemetry import Sampler
+from .tuning import ApplyFailed, TuningError
+
+EXIT_CONFIG = 78  # EX_CONFIG: the unit does not restart on it (RestartPreventExitStatus)
+log = logging.getLogger("dsr1d")
+
+
+def _load(path: Path | None, overrides: dict[str, str | None]) -> Config:
+    config = load_config(path)
+    return replace(config, **{k: v for k, v in overrides.items() if v is not None})
+
+
+class Daemon:
+    """One run of the service."""
+
+    def __init__(self, config_path: Path | None, bus_address: str | None,
+                 overrides: dict[str, str | None]) -> None:
+        self.config_path = config_path
+        self.bus_address = bus_address
+        self.overrides = overrides
+        self.stop_event = asyncio.Event()
+        self.sampler = Sampler()
+        self.manager: Manager | None = None
+
+    async def run(self) -> int:
+        try:
+            config = _load(self.config_path, self.overrides)
+        except ProfileError as exc:
+            return self._fail(f"configuration rejected: {exc}", EXIT_CONFIG)
+        bus = await connect(self.bus_address)
+        if await bus.request_name(BUS_NAME, NameFlag.DO_NOT_QUEUE) != RequestNameReply.PRIMARY_OWNER:
+            bus.disconnect()
+            return self._fail(f"{BUS_NAME} is already owned on this bus: is dsr1d running?", 1)
+        try:
+            self.manager = manager = Manager(build_core(config.root, config.journal,
+                                                        config.profiles_dir), config)
+            manager.start()
+        except (UnknownProfile, ProfileError) as exc:
+            bus.disconnect()
+            return self._fail(f"configuration rejected: default profile: {exc}", EXIT_CONFIG)
+        except (ApplyFailed, TuningError, JournalError) as exc:
+            bus.disconnect()
+            return self._fail(f"cannot start: {exc}", 1)
+        service = ManagerService(bus, manager, self.reload, self.sampler.sample)
+        await service.export()
+        manager.change_listeners.append(lambda names: notify(STATUS=manager.status_line()))
+        monitor = self._start_hotplug(manager)
+        self._install_signals()
+        notify(READY="1", STATUS=manager.status_line())
+        log.info("ready: %s", manager.status_line(), extra={"PROFILE": manager.active})
+        watchdog = self._start_watchdog()
+        await self.stop_event.wait()
+        notify(STOPPING="1", STATUS="restoring every knob")
+        if watchdog:
+            watchdog.cancel()
+        if monitor:
+            monitor.stop()
+        failed = manager.stop()
+        await bus.release_name(BUS_NAME)
+        bus.disconnect()
+        return 1 if failed else 0
+
+    async def reload(self) -> list[ProfileError]:
+        """Reload config and profiles; a broken config keeps the old one and says why."""
+        assert self.manager is not None
+        notify(RELOADING="1", MONOTONIC_USEC=str(time.monotonic_ns() // 1000))
+        config: Config | None = None
+        errors: list[ProfileError] = []
+        try:
+            config = _load(self.config_path, self.overrides)
+        except ProfileError as exc:
+            log.error("configuration rejected on reload, keeping the previous one: %s", exc)
+            errors.append(exc)
+        try:
+            errors += self.manager.reload(config)
+        except (ApplyFailed, TuningError) as exc:
+            log.error("reload could not re-apply %s: %s", self.manager.active, exc)
+        notify(READY="1", STATUS=self.manager.status_line())
+        return errors
+
+    def _fail(self, message: str, code: int) -> int:
+        log.error("%s", message)
+        notify(STATUS=message, ERRNO="22" if code == EXIT_CONFIG else "1")
+        return code
+
+    def _install_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_event.set)
+        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload()))
+
+    def _start_hotplug(self, manager: Manager):
+        try:
+            from .hotplug import CpuMonitor
+
+            monitor = CpuMonitor(manager.reapply_cpus)
+            monitor.start(asyncio.get_running_loop())
+            return monitor
+        except Exception as exc:  # no netlink (some containers): run without hotplug
+            log.warning("CPU hotplug monitor unavailable: %s", exc)
+            return None
+
+    def _start_watchdog(self) -> asyncio.Task[None] | None:
+        interval = watchdog_interval_s()
+        if interval is None:
+            return None
+
+        async def ping() -> None:
+            while True:
+                notify(WATCHDOG="1")
+                await asyncio.sleep(interval)
+
+        return asyncio.get_running_loop().create_task(ping())
+
+
+def main(config: str | None, bus_address: str | None, root: str | None, journal: str | None,
+         profiles_dir: str | None, verbose: bool = False) -> int:
+    """Entry point of ``dsr1d run``."""
+    setup_logging(verbose)
+    path = Path(config) if config else DEFAULT_PATH
+    overrides = {"root": root, "journal": journal, "profiles_dir": profiles_dir}
+    return asyncio.run(Daemon(path, bus_address, overrides).run())
