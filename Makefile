@@ -5,7 +5,10 @@ STAMP := $(VENV)/.stamp-setup
 PREFIX ?= /usr
 DESTDIR ?=
 
-.PHONY: setup run test clean
+LIBDIR ?= $(PREFIX)/lib/dsr1d
+UNITDIR ?= /lib/systemd/system
+
+.PHONY: setup run test clean install
 
 setup: $(STAMP)
 
@@ -24,3 +27,21 @@ test: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+
+# Installs the daemon system-wide: the package and its dependencies in $(LIBDIR) (pip --target,
+# built with $(PYTHON), which must be the target's Python minor version), launchers in
+# $(PREFIX)/bin, the unit, config, built-in profiles, D-Bus and polkit policy.
+install:
+	install -d $(DESTDIR)$(LIBDIR) $(DESTDIR)$(PREFIX)/bin $(DESTDIR)/etc/dsr1d/profiles
+	$(PYTHON) -m pip install -q --no-warn-script-location --upgrade --target $(DESTDIR)$(LIBDIR) .
+	for cmd in dsr1d:admin dsr1ctl:cli; do \
+	  printf '#!/usr/bin/python3\nimport sys\nsys.path.insert(0, "%s")\nfrom dsr1d.%s import main\nsys.exit(main())\n' \
+	    "$(LIBDIR)" "$${cmd#*:}" > $(DESTDIR)$(PREFIX)/bin/$${cmd%%:*}; \
+	  chmod 755 $(DESTDIR)$(PREFIX)/bin/$${cmd%%:*}; \
+	done
+	install -D -m 644 systemd/dsr1d.service $(DESTDIR)$(UNITDIR)/dsr1d.service
+	install -D -m 644 -t $(DESTDIR)$(PREFIX)/share/dsr1d/profiles etc/dsr1d/profiles/*.conf
+	test -e $(DESTDIR)/etc/dsr1d/dsr1d.conf || install -m 644 etc/dsr1d/dsr1d.conf $(DESTDIR)/etc/dsr1d/dsr1d.conf
+	install -D -m 644 etc/dbus-1/system.d/org.dsr1d.conf $(DESTDIR)$(PREFIX)/share/dbus-1/system.d/org.dsr1d.conf
+	install -D -m 644 etc/polkit-1/actions/org.dsr1d.policy $(DESTDIR)$(PREFIX)/share/polkit-1/actions/org.dsr1d.policy
+	install -D -m 644 README.md $(DESTDIR)$(PREFIX)/share/doc/dsr1d/README.md

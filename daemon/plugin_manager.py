@@ -33,12 +33,14 @@ def make_manager(extra: tuple[str, ...] = ()) -> pluggy.PluginManager:
     pm = pluggy.PluginManager("dsr1d")
     pm.add_hookspecs(hookspecs)
     env = tuple(m for m in os.environ.get("DSR1D_PLUGINS", "").split(",") if m.strip())
-    for name in DEFAULT_PLUGINS + env + extra:
+    for name in dict.fromkeys(n.strip() for n in DEFAULT_PLUGINS + env + extra):
         try:
-            module = importlib.import_module(name.strip())
+            module = importlib.import_module(name)
         except ImportError as exc:
-            raise PluginError(f"cannot load plugin {name.strip()!r}: {exc}") from exc
-        pm.register(module, name=name.strip())
+            raise PluginError(f"cannot load plugin {name!r}: {exc}") from exc
+        if pm.is_registered(module):
+            continue
+        pm.register(module, name=name)
     pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
     try:
         pm.check_pending()

@@ -129,7 +129,8 @@ class ProfileStore:
 
     def names(self) -> list[str]:
         """Every profile name, user-defined and built-in."""
-        found = {p.stem for d in self.dirs if d.is_dir() for p in d.glob(f"*{SUFFIX}")}
+        found = {p.stem for d in self.dirs if d.is_dir() for p in d.glob(f"*{SUFFIX}")
+                 if p.is_file()}
         return sorted(n for n in found if _NAME.match(n))
 
     def find(self, name: str, after: Path | None = None) -> Path:
@@ -147,10 +148,9 @@ class ProfileStore:
     def load(self, name: str) -> Profile:
         """Load ``name`` with its includes; ProfileError or UnknownProfile."""
         path = self.find(name)
-        merged = self._merge(path, chain=())
-        main = merged.pop("main", {})
-        summary = main["summary"].value if "summary" in main else ""
-        return Profile(name, path, summary, self._validate(merged))
+        sections = self._validate(self._merge(path, chain=()))
+        main = sections.pop("main", {})
+        return Profile(name, path, main.get("summary", ""), sections)
 
     def load_all(self) -> tuple[dict[str, Profile], list[ProfileError]]:
         """Every loadable profile, and the errors of those that are not."""
@@ -173,11 +173,13 @@ class ProfileStore:
         merged: Sections = {}
         include = sections.get("main", {}).get("include")
         for parent_name in _include_names(include):
-            after = path.parent if parent_name == path.stem else None
+            itself = parent_name == path.stem
             try:
-                parent = self.find(parent_name, after=after)
+                parent = self.find(parent_name, after=path.parent if itself else None)
             except UnknownProfile as exc:
-                raise ProfileError(path, include.line, f"include: {exc}") from None
+                reason = (f"include cycle: {parent_name} includes itself (no profile of that name "
+                          "below this directory to extend)") if itself else f"include: {exc}"
+                raise ProfileError(path, include.line, reason) from None
             if parent in chain or parent == path:
                 cycle = " -> ".join(p.stem for p in (*chain, path, parent))
                 raise ProfileError(path, include.line, f"include cycle: {cycle}")
@@ -218,6 +220,7 @@ def _include_names(include: Entry | None) -> list[str]:
 
 def section_line(path: Path, section: str) -> int:
     for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if line.strip() == f"[{section}]":
+        text = line.strip()
+        if text.startswith("[") and text.endswith("]") and text[1:-1].strip() == section:
             return number
     return 0
