@@ -319,6 +319,30 @@ class ManagerService:
         self.interface.emit_properties_changed(self.interface.property_values(names))
 
 
+# Other daemons that tune the same machine, by the bus name they own.
+NEIGHBOURS = {
+    "com.redhat.tuned": "tuned writes the same knobs: stop it (the unit Conflicts= with it)",
+    "net.hadess.PowerProfiles": "power-profiles-daemon writes EPP/EPB: stop it "
+                                "(the unit Conflicts= with it)",
+    "org.freedesktop.UPower.PowerProfiles": "power-profiles-daemon writes EPP/EPB: stop it "
+                                            "(the unit Conflicts= with it)",
+    "org.freedesktop.thermald": "thermald runs: it acts only near thermal limits; dsr1d leaves "
+                                "it running and cooperates",
+}
+
+
+async def neighbours(bus: MessageBus) -> dict[str, str]:
+    """Which other tuning daemons own their names on this bus, with what that means."""
+    found = {}
+    for name, meaning in NEIGHBOURS.items():
+        reply = await bus.call(Message(
+            destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
+            interface="org.freedesktop.DBus", member="NameHasOwner", signature="s", body=[name]))
+        if reply.message_type == MessageType.METHOD_RETURN and reply.body[0]:
+            found[name] = meaning
+    return found
+
+
 async def connect(address: str | None) -> MessageBus:
     """Connect to ``address``, or to the system bus (``$DBUS_SYSTEM_BUS_ADDRESS`` honoured)."""
     if address:

@@ -20,7 +20,7 @@ from dbus_fast import NameFlag, RequestNameReply
 
 from .config import DEFAULT_PATH, Config, load_config
 from .context import build_core
-from .dbus_api import BUS_NAME, ManagerService, connect
+from .dbus_api import BUS_NAME, ManagerService, connect, neighbours
 from .manager import Manager
 from .notify import notify, setup_logging, watchdog_interval_s
 from .profiles import ProfileError, UnknownProfile
@@ -68,6 +68,8 @@ class Daemon:
         except (ApplyFailed, TuningError, JournalError) as exc:
             bus.disconnect()
             return self._fail(f"cannot start: {exc}", 1)
+        for name, meaning in (await neighbours(bus)).items():
+            log.warning("%s on the bus: %s", name, meaning)
         service = ManagerService(bus, manager, self.reload, self.sampler.sample)
         await service.export()
         manager.change_listeners.append(lambda names: notify(STATUS=manager.status_line()))

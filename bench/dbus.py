@@ -1,0 +1,125 @@
+"""D-Bus control-plane figures: round-trip latency percentiles and the idle daemon's CPU share.
+
+Starts a private system-like bus and the real daemon against a fake root, then times a few
+hundred calls of each kind from a dbus-fast client. The baseline, measured in the same run, is
+``org.freedesktop.DBus.Peer.Ping`` to the daemon: the bus's own floor. Prints a table and JSON;
+never passes or fails.
+
+    .venv/bin/python bench/dbus.py [--calls 300] [--idle-seconds 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from dbus_fast import Message, MessageType  # noqa: E402
+from dbus_fast.aio import MessageBus  # noqa: E402
+
+from fakeroot import intel_box  # noqa: E402
+from harness.privbus import PrivateBus  # noqa: E402
+
+DEST, PATH, IFACE = "org.dsr1d", "/org/dsr1d", "org.dsr1d.Manager1"
+
+
+def percentile(samples: list[float], p: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
+
+
+async def time_calls(bus: MessageBus, make, calls: int) -> list[float]:
+    samples = []
+    for i in range(calls):
+        msg = make(i)
+        start = time.perf_counter()
+        reply = await bus.call(msg)
+        samples.append((time.perf_counter() - start) * 1000)
+        if reply.message_type == MessageType.ERROR:
+            raise RuntimeError(f"{msg.member}: {reply.body}")
+    return samples
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(address: str, calls: int) -> dict[str, list[float]]:
+    bus = await MessageBus(bus_address=address).connect()
+    kinds = {
+        "Ping (baseline)": lambda i: Message(destination=DEST, path=PATH,
+                                             interface="org.freedesktop.DBus.Peer", member="Ping"),
+        "GetTelemetry": lambda i: Message(destination=DEST, path=PATH, interface=IFACE,
+                                          member="GetTelemetry"),
+        "Get ActiveProfile": lambda i: Message(
+            destination=DEST, path=PATH, interface="org.freedesktop.DBus.Properties",
+            member="Get", signature="ss", body=[IFACE, "ActiveProfile"]),
+        "SwitchProfile": lambda i: Message(destination=DEST, path=PATH, interface=IFACE,
+                                           member="SwitchProfile", signature="s",
+                                           body=["throughput" if i % 2 else "balanced"]),
+    }
+    results = {name: await time_calls(bus, make, calls) for name, make in kinds.items()}
+    bus.disconnect()
+    return results
+
+
+def wait_for_name(address: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    env = {**os.environ, "DBUS_SYSTEM_BUS_ADDRESS": address}
+    while time.monotonic() < deadline:
+        if subprocess.run(["busctl", "--system", "status", DEST], env=env,
+                          capture_output=True).returncode == 0:
+            return
+        time.sleep(0.1)
+    raise RuntimeError("daemon did not take its bus name")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--idle-seconds", type=float, default=60)
+    parser.add_argument("--cpus", type=int, default=16, help="CPUs of the fake machine")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp, \
+            PrivateBus([REPO / "etc/dbus-1/system.d/org.dsr1d.conf"]) as privbus:
+        fake = intel_box(Path(tmp) / "root", cpus=args.cpus)
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "dsr1d.admin", "run", "--root", str(fake.path),
+             "--config", "/dev/null", "--bus-address", privbus.address],
+            stderr=subprocess.DEVNULL)
+        try:
+            wait_for_name(privbus.address)
+            results = asyncio.run(measure(privbus.address, args.calls))
+            before, t0 = cpu_seconds(daemon.pid), time.monotonic()
+            time.sleep(args.idle_seconds)
+            idle_share = (cpu_seconds(daemon.pid) - before) / (time.monotonic() - t0) * 100
+        finally:
+            daemon.terminate()
+            daemon.wait(timeout=30)
+    base = statistics.median(results["Ping (baseline)"])
+    figures = {}
+    print(f"{'call':20} {'p50 ms':>8} {'p99 ms':>8} {'p50/Ping':>9}   ({args.calls} calls, "
+          f"fake machine of {args.cpus} CPUs)")
+    for name, samples in results.items():
+        p50, p99 = statistics.median(samples), percentile(samples, 99)
+        figures[name] = {"p50_ms": p50, "p99_ms": p99, "ratio_to_ping": p50 / base}
+        print(f"{name:20} {p50:8.2f} {p99:8.2f} {p50 / base:9.1f}")
+    figures["idle_cpu_percent_of_one_core"] = idle_share
+    figures["idle_seconds"] = args.idle_seconds
+    print(f"daemon CPU share while idle: {idle_share:.3f} % of one core over {args.idle_seconds:.0f} s")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
