@@ -134,7 +134,7 @@ async def cmd_verify(client: Client, args: argparse.Namespace) -> int:
 
 
 async def cmd_hold(client: Client, args: argparse.Namespace) -> int:
-    command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
+    command = args.command_line
     if not command:
         print("dsr1ctl: hold needs a command: dsr1ctl hold PROFILE -- COMMAND…", file=sys.stderr)
         return EXIT_USAGE
@@ -199,7 +199,7 @@ def parser() -> argparse.ArgumentParser:
     hold = sub.add_parser("hold", help="hold a profile while a command runs")
     hold.add_argument("profile")
     hold.add_argument("--reason", help="shown in status (default: the command)")
-    hold.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- COMMAND…")
+    hold.add_argument("command_line", nargs="*", metavar="-- COMMAND…")
     watch = sub.add_parser("watch", help="live view of profile and telemetry")
     watch.add_argument("--interval", type=float, default=1.0, help="seconds between updates")
     watch.add_argument("--count", type=int, help="stop after this many updates")
@@ -228,7 +228,12 @@ async def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # argparse mishandles "--" inside a subcommand: everything after it is the held command.
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser().parse_args(argv[:split])
+    if split < len(argv):
+        args.command_line = argv[split + 1:]
     try:
         return asyncio.run(_main(args))
     except KeyboardInterrupt:

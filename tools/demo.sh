@@ -1,13 +1,47 @@
 #!/usr/bin/env bash
-# The README's run command: what dsr1d sees on this machine, then a profile applied, verified
-# and restored for real. Every knob is put back even if a step fails.
+# The README's run command, on this machine for real:
+#   1. what dsr1d sees here (probe) and a dry run of the default profile;
+#   2. the daemon on a private system-like bus (so it never touches the machine's own bus),
+#      status, a profile switch with busctl, a hold with dsr1ctl, verify;
+#   3. SIGTERM: the daemon restores every knob it changed.
 set -euo pipefail
-DSR1D=${DSR1D:-.venv/bin/dsr1d}
-step() { printf '\n\033[1m$ dsr1d %s\033[0m\n' "$*"; "$DSR1D" "$@"; }
-trap '"$DSR1D" restore >/dev/null 2>&1 || true' EXIT
-step probe
-step list
-step apply sustained --dry-run
-step apply sustained
-step verify
-step restore
+cd "$(dirname "$0")/.."
+BIN=.venv/bin
+WORK=$(mktemp -d /tmp/dsr1d-demo.XXXXXX)
+step() { printf '\n\033[1m$ %s\033[0m\n' "$*"; "$@"; }
+
+step "$BIN/dsr1d" probe
+step "$BIN/dsr1d" apply sustained --dry-run
+
+"$BIN/python" tests/harness/privbus.py etc/dbus-1/system.d/org.dsr1d.conf >"$WORK/bus.env" 2>/dev/null &
+BUS=$!
+DAEMON=
+cleanup() {
+    [ -n "$DAEMON" ] && kill -TERM "$DAEMON" 2>/dev/null && wait "$DAEMON" || true
+    "$BIN/dsr1d" restore --journal "$WORK/state.json" >/dev/null 2>&1 || true
+    kill "$BUS" 2>/dev/null || true
+    rm -rf "$WORK"
+}
+trap cleanup EXIT
+for _ in $(seq 100); do grep -q DBUS_SYSTEM_BUS_ADDRESS "$WORK/bus.env" 2>/dev/null && break; sleep 0.1; done
+# shellcheck disable=SC1091
+. "$WORK/bus.env"
+
+THP=/sys/kernel/mm/transparent_hugepage/enabled
+echo; echo "THP before the daemon: $(cat $THP)"
+"$BIN/dsr1d" run --config etc/dsr1d/dsr1d.conf --journal "$WORK/state.json" 2>"$WORK/daemon.log" &
+DAEMON=$!
+for _ in $(seq 100); do busctl --system status org.dsr1d >/dev/null 2>&1 && break; sleep 0.1; done
+
+step "$BIN/dsr1ctl" status
+step busctl --system call org.dsr1d /org/dsr1d org.dsr1d.Manager1 SwitchProfile s throughput
+step busctl --system get-property org.dsr1d /org/dsr1d org.dsr1d.Manager1 ActiveProfile
+echo "THP now: $(cat $THP)"
+step "$BIN/dsr1ctl" hold latency --reason demo -- busctl --system get-property org.dsr1d /org/dsr1d org.dsr1d.Manager1 ActiveProfile
+step "$BIN/dsr1ctl" verify
+step "$BIN/dsr1ctl" list
+
+printf '\n\033[1m$ kill -TERM <dsr1d>\033[0m\n'
+kill -TERM "$DAEMON"; wait "$DAEMON"; DAEMON=
+echo "THP after the daemon stopped: $(cat $THP)"
+echo; echo "daemon log:"; sed 's/^/  /' "$WORK/daemon.log"
