@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .knobs import knob_from_key
+
 FORMAT = 1
 
 
@@ -60,13 +62,13 @@ class Journal:
     def load(self) -> JournalState | None:
         """The journal's state, None when there is none; JournalError when unusable."""
         try:
-            text = self.path.read_text()
+            raw = self.path.read_bytes()
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise JournalError(f"cannot read journal {self.path}: {exc.strerror}") from None
         try:
-            data = json.loads(text)
+            data = json.loads(raw.decode())
             if data.get("format") != FORMAT:
                 raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
             state = JournalState(
@@ -76,6 +78,8 @@ class Journal:
                 wanted=dict(data.get("wanted", {})),
                 pid=int(data.get("pid", 0)),
             )
+            for key in [o.key for o in state.originals] + list(state.wanted):
+                knob_from_key(key)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise JournalError(f"journal {self.path} is corrupt ({exc}); it was left as it is: "
                                + self._recover_hint()) from None

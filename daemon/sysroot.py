@@ -73,8 +73,8 @@ class SysRoot:
         return self.path(rel).exists()
 
     def read(self, rel: str) -> str:
-        """The stripped text of a file."""
-        return self.path(rel).read_text().strip()
+        """The stripped text of a file (at most one page, like every sysfs attribute)."""
+        return _read_capped(self.path(rel)).decode().strip()
 
     def write(self, rel: str, value: str) -> None:
         """Write ``value`` to an existing file (never creates one: a missing knob is an error)."""
@@ -139,7 +139,7 @@ class SysRoot:
         """The 64-bit value of register ``reg`` on ``cpu``."""
         path = self.path(self.msr_path(cpu))
         if path.is_dir():
-            data = (path / f"{reg:#x}").read_bytes()
+            data = _read_capped(path / f"{reg:#x}", limit=8)
         else:
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -185,7 +185,12 @@ class SysRoot:
         """Hold a CPU latency request; the kernel drops it when this process dies."""
         if self._pm_qos_fd is None:
             self._pm_qos_fd = os.open(self.path(PM_QOS_DEVICE), os.O_WRONLY)
-        os.write(self._pm_qos_fd, struct.pack("<i", latency_us))
+        try:
+            os.write(self._pm_qos_fd, struct.pack("<i", latency_us))
+        except OSError:
+            if self._pm_qos_value is None:  # no earlier request to keep alive
+                self.pm_qos_release()
+            raise
         self._pm_qos_value = latency_us
 
     def pm_qos_release(self) -> None:
@@ -194,6 +199,21 @@ class SysRoot:
             os.close(self._pm_qos_fd)
         self._pm_qos_fd = None
         self._pm_qos_value = None
+
+
+PAGE = 4096
+
+
+def _read_capped(path: Path, limit: int = PAGE) -> bytes:
+    """Read a kernel attribute; a file that does not end within ``limit`` bytes is refused."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise OSError(errno_mod.EFBIG, f"more than {limit} bytes: not a kernel attribute")
+    return data
 
 
 def _natural_key(path: str) -> list[object]:
