@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's run command, on this machine for real:
-#   1. what dsr1d sees here (probe) and a dry run of the default profile;
+#   1. what dsr1d sees here (probe), a dry run of the default profile, then the admin path:
+#      apply, verify, restore;
 #   2. the daemon on a private system-like bus (so it never touches the machine's own bus),
 #      status, a profile switch with busctl, a hold with dsr1ctl, verify;
 #   3. SIGTERM: the daemon restores every knob it changed.
@@ -8,17 +9,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
 WORK=$(mktemp -d /tmp/dsr1d-demo.XXXXXX)
+trap '"$BIN/dsr1d" restore --journal "$WORK/admin.json" >/dev/null 2>&1; rm -rf "$WORK"' EXIT
 step() { printf '\n\033[1m$ %s\033[0m\n' "$*"; "$@"; }
 
 step "$BIN/dsr1d" probe
 step "$BIN/dsr1d" apply sustained --dry-run
+# The admin path, no daemon: apply, verify, restore (journal in a scratch directory).
+step "$BIN/dsr1d" apply sustained --journal "$WORK/admin.json"
+step "$BIN/dsr1d" verify --journal "$WORK/admin.json"
+step "$BIN/dsr1d" restore --journal "$WORK/admin.json"
 
 "$BIN/python" tests/harness/privbus.py etc/dbus-1/system.d/org.dsr1d.conf >"$WORK/bus.env" 2>/dev/null &
 BUS=$!
 DAEMON=
 cleanup() {
     [ -n "$DAEMON" ] && kill -TERM "$DAEMON" 2>/dev/null && wait "$DAEMON" || true
-    "$BIN/dsr1d" restore --journal "$WORK/state.json" >/dev/null 2>&1 || true
+    for j in state admin; do "$BIN/dsr1d" restore --journal "$WORK/$j.json" >/dev/null 2>&1 || true; done
     kill "$BUS" 2>/dev/null || true
     rm -rf "$WORK"
 }
