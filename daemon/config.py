@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .profiles import ProfileError, parse_ini, section_line
-from .schema import Schema, option, word_list
+from .schema import Schema, choice, integer, option, word_list
+from .sysroot import parse_cpu_list
 
 DEFAULT_PATH = Path("/etc/dsr1d/dsr1d.conf")
 
@@ -31,6 +32,16 @@ def _absolute(raw: str) -> str:
     return raw
 
 
+def parse_cpu_list_option(raw: str) -> list[int]:
+    try:
+        cpus = parse_cpu_list(raw)
+    except ValueError:
+        raise ValueError(f"{raw!r} is not a CPU list like 0-3,8") from None
+    if not cpus:
+        raise ValueError("empty CPU list")
+    return cpus
+
+
 def _single(raw: str) -> str:
     words = word_list(raw)
     if len(words) != 1:
@@ -44,6 +55,16 @@ DAEMON_SCHEMA: Schema = {
     "root": option(_absolute, "hardware root (/ on a real machine)", "path"),
     "journal": option(_absolute, "journal path (default <root>/run/dsr1d/state.json)", "path"),
     "profiles_dir": option(_absolute, "user profiles (default <root>/etc/dsr1d/profiles)", "path"),
+    "model": option(_absolute, "local Hugging Face model directory the engine serves "
+                    "(unset: no engine)", "path"),
+    "engine_dtype": option(choice("auto", "bf16", "fp32", "int8", "int4"),
+                           "weight precision (auto: bf16 on CPUs with native bf16, else fp32)",
+                           "name"),
+    "engine_threads": option(integer(0, 4096), "decode threads (0: one per physical core)",
+                             "count"),
+    "engine_cpus": option(parse_cpu_list_option, "CPUs the engine is pinned to (e.g. 0-15; "
+                          "unset: all)", "cpu list"),
+    "engine_profile": option(_single, "profile held while the engine generates", "name"),
 }
 
 
@@ -57,6 +78,11 @@ class Config:
     root: str = "/"
     journal: str | None = None
     profiles_dir: str | None = None
+    model: str | None = None
+    engine_dtype: str = "auto"
+    engine_threads: int = 0
+    engine_cpus: list[int] | None = None
+    engine_profile: str = "sustained"
 
 
 def load_config(path: Path | None) -> Config:

@@ -23,6 +23,7 @@ from dbus_fast.service import ServiceInterface, dbus_property, signal
 from dbus_fast.signature import get_signature_tree
 
 from . import __version__
+from .engine_host import Cancelled, EngineHost, EngineUnavailable, InvalidArgument
 from .manager import HoldError, Manager
 from .profiles import ProfileError, UnknownProfile
 from .state import JournalError
@@ -34,11 +35,15 @@ log = logging.getLogger("dsr1d")
 BUS_NAME = "org.dsr1d"
 PATH = "/org/dsr1d"
 MANAGER = "org.dsr1d.Manager1"
+ENGINE_PATH = "/org/dsr1d/engine"
+ENGINE = "org.dsr1d.Engine1"
 ERROR = "org.dsr1d.Error."
 INVALID_ARGS = "org.freedesktop.DBus.Error.InvalidArgs"
 ADMIN_GROUP = "dsr1d"
 POLKIT_ACTIONS = {"SwitchProfile": "org.dsr1d.switch-profile", "Reload": "org.dsr1d.reload",
-                  "HoldProfile": "org.dsr1d.hold-profile", "ReleaseProfile": "org.dsr1d.hold-profile"}
+                  "HoldProfile": "org.dsr1d.hold-profile", "ReleaseProfile": "org.dsr1d.hold-profile",
+                  "Generate": "org.dsr1d.run-inference", "Submit": "org.dsr1d.run-inference",
+                  "Cancel": "org.dsr1d.run-inference"}
 
 
 class AccessDenied(Exception):
@@ -81,7 +86,9 @@ def error_reply(exc: Exception) -> tuple[str, str]:
     """The D-Bus error name and one-line message for a domain error (one place for all)."""
     names = {UnknownProfile: "UnknownProfile", ProfileError: "InvalidProfile",
              ApplyFailed: "ApplyFailed", TuningError: "ApplyFailed", KnobError: "ApplyFailed",
-             AccessDenied: "AccessDenied", JournalError: "Journal"}
+             AccessDenied: "AccessDenied", JournalError: "Journal",
+             EngineUnavailable: "EngineUnavailable", InvalidArgument: "InvalidArgument",
+             Cancelled: "Cancelled"}
     if isinstance(exc, HoldError):
         return ERROR + exc.name, str(exc)
     for kind, name in names.items():
@@ -152,13 +159,31 @@ def _in_group(uid: int, group: str) -> bool:
     return user.pw_gid == entry.gr_gid or user.pw_name in entry.gr_mem
 
 
-class ManagerInterface(ServiceInterface):
-    """Properties, signals and introspection of ``org.dsr1d.Manager1``."""
+class DispatchedInterface(ServiceInterface):
+    """A ServiceInterface whose methods are dispatched by `Dispatcher` but introspected here."""
+
+    def __init__(self, name: str, methods: dict[str, Method]) -> None:
+        super().__init__(name)
+        self.methods = methods
+
+    def introspect(self) -> intr.Interface:
+        iface = super().introspect()
+        for method in self.methods.values():
+            in_args = [intr.Arg(sig, intr.ArgDirection.IN, name) for name, sig in method.in_args]
+            out_args = [intr.Arg(t, intr.ArgDirection.OUT) for t in method.out_types]
+            iface.methods.append(intr.Method(method.name, in_args, out_args))
+        return iface
+
+    def emit_changed(self, names: list[str]) -> None:
+        self.emit_properties_changed({name: getattr(self, name) for name in names})
+
+
+class ManagerInterface(DispatchedInterface):
+    """Properties and signals of ``org.dsr1d.Manager1``."""
 
     def __init__(self, manager: Manager, methods: dict[str, Method]) -> None:
-        super().__init__(MANAGER)
+        super().__init__(MANAGER, methods)
         self.manager = manager
-        self.methods = methods
 
     @dbus_property(access=PropertyAccess.READ)
     def ActiveProfile(self) -> "s":
@@ -196,92 +221,38 @@ class ManagerInterface(ServiceInterface):
     def ThrottleStateChanged(self, state: str, evidence: dict) -> "sa{sv}":
         return [state, evidence]
 
-    def introspect(self) -> intr.Interface:
-        iface = super().introspect()
-        for method in self.methods.values():
-            in_args = [intr.Arg(sig, intr.ArgDirection.IN, name) for name, sig in method.in_args]
-            out_args = [intr.Arg(t, intr.ArgDirection.OUT) for t in method.out_types]
-            iface.methods.append(intr.Method(method.name, in_args, out_args))
-        return iface
+class Dispatcher:
+    """Routes method calls of our interfaces: signature check, caller's uid, authorisation,
+    the handler, and one error mapping for all."""
 
-    def property_values(self, names: list[str]) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in names}
-
-
-class ManagerService:
-    """Exports the manager on a bus connection and dispatches its method calls."""
-
-    def __init__(self, bus: MessageBus, manager: Manager,
-                 reload: Callable[[], Awaitable[list[ProfileError]]],
-                 telemetry: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, bus: MessageBus) -> None:
         self.bus = bus
-        self.manager = manager
         self.auth = Authorizer(bus)
-        self._reload = reload
-        self._telemetry = telemetry
+        self.routes: dict[tuple[str, str], dict[str, Method]] = {}
+        self.signal_listeners: list[Callable[[Message], None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
-        self.methods = {m.name: m for m in self._methods()}
-        self.interface = ManagerInterface(manager, self.methods)
-        manager.profile_listeners.append(self.interface.ProfileChanged)
-        manager.change_listeners.append(self._properties_changed)
+        bus.add_message_handler(self._handle)
 
-    def _methods(self) -> list[Method]:
-        m = self.manager
-        return [
-            Method("SwitchProfile", (("profile", "s"),), "", True,
-                   lambda caller, name: m.switch(name)),
-            Method("ListProfiles", (), "a(ss)", False,
-                   lambda caller: [[n, p.summary] for n, p in m.profiles.items()]),
-            Method("Verify", (), "ba(sss)", False, lambda caller: self._verify()),
-            Method("Reload", (), "", True, lambda caller: self._reload_checked()),
-            Method("HoldProfile", (("profile", "s"), ("reason", "s"), ("application_id", "s")),
-                   "u", True, lambda caller, p, r, a: self._hold(caller, p, r, a)),
-            Method("ReleaseProfile", (("cookie", "u"),), "", True,
-                   lambda caller, cookie: m.release(cookie, caller.sender)),
-            Method("GetTelemetry", (), "a{sv}", False,
-                   lambda caller: {k: to_variant(v) for k, v in self._telemetry().items()}),
-        ]
+    def add(self, path: str, interface: DispatchedInterface) -> None:
+        self.routes[(path, interface.name)] = interface.methods
+        self.bus.export(path, interface)
 
-    async def export(self) -> None:
-        self.bus.export(PATH, self.interface)
-        self.bus.add_message_handler(self._handle)
-        await self.bus.call(Message(
-            destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
-            interface="org.freedesktop.DBus", member="AddMatch", signature="s",
-            body=["type='signal',sender='org.freedesktop.DBus',member='NameOwnerChanged'"]))
-
-    def _verify(self) -> list[Any]:
-        result = self.manager.verify()
-        drift = [[f"{d.tunable}:{d.where}", d.wanted, d.actual] for d in result.drift]
-        return [not drift, drift]
-
-    async def _reload_checked(self) -> None:
-        errors = await self._reload()
-        if errors:
-            raise ProfileError(errors[0].file, errors[0].line,
-                               f"{errors[0].reason} (reloaded the rest; the previous version "
-                               f"of a rejected profile stays)")
-
-    async def _hold(self, caller: Caller, profile: str, reason: str, app_id: str) -> int:
-        cookie = self.manager.hold(profile, reason, app_id, caller.sender)
-        reply = await self.bus.call(Message(
-            destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
-            interface="org.freedesktop.DBus", member="GetNameOwner", signature="s",
-            body=[caller.sender]))
-        if reply.message_type == MessageType.ERROR:   # it left before we could watch it
-            self.manager.release_owner(caller.sender)
-        return cookie
-
-    # -- dispatch ----------------------------------------------------------------------------
+    def _find(self, msg: Message) -> Method | None:
+        if msg.interface is not None:
+            return self.routes.get((msg.path, msg.interface), {}).get(msg.member)
+        for (path, _), methods in self.routes.items():
+            if path == msg.path and msg.member in methods:
+                return methods[msg.member]
+        return None
 
     def _handle(self, msg: Message) -> Any:
         if msg.message_type == MessageType.SIGNAL:
-            self._owner_changed(msg)
+            for listener in self.signal_listeners:
+                listener(msg)
             return None
-        if (msg.message_type != MessageType.METHOD_CALL or msg.path != PATH
-                or msg.interface not in (MANAGER, None)):
+        if msg.message_type != MessageType.METHOD_CALL:
             return None
-        method = self.methods.get(msg.member)
+        method = self._find(msg)
         if method is None:
             return None
         if msg.signature != method.in_sig:
@@ -310,13 +281,154 @@ class ManagerService:
             reply = Message.new_error(msg, name, text)
         self.bus.send(reply)
 
+
+class ManagerService:
+    """Exports the manager on a bus connection and dispatches its method calls."""
+
+    def __init__(self, dispatcher: Dispatcher, manager: Manager,
+                 reload: Callable[[], Awaitable[list[ProfileError]]],
+                 telemetry: Callable[[], dict[str, Any]]) -> None:
+        self.dispatcher = dispatcher
+        self.bus = dispatcher.bus
+        self.manager = manager
+        self._reload = reload
+        self._telemetry = telemetry
+        self.interface = ManagerInterface(manager, {m.name: m for m in self._methods()})
+        manager.profile_listeners.append(self.interface.ProfileChanged)
+        manager.change_listeners.append(self.interface.emit_changed)
+
+    def _methods(self) -> list[Method]:
+        m = self.manager
+        return [
+            Method("SwitchProfile", (("profile", "s"),), "", True,
+                   lambda caller, name: m.switch(name)),
+            Method("ListProfiles", (), "a(ss)", False,
+                   lambda caller: [[n, p.summary] for n, p in m.profiles.items()]),
+            Method("Verify", (), "ba(sss)", False, lambda caller: self._verify()),
+            Method("Reload", (), "", True, lambda caller: self._reload_checked()),
+            Method("HoldProfile", (("profile", "s"), ("reason", "s"), ("application_id", "s")),
+                   "u", True, lambda caller, p, r, a: self._hold(caller, p, r, a)),
+            Method("ReleaseProfile", (("cookie", "u"),), "", True,
+                   lambda caller, cookie: m.release(cookie, caller.sender)),
+            Method("GetTelemetry", (), "a{sv}", False,
+                   lambda caller: {k: to_variant(v) for k, v in self._telemetry().items()}),
+        ]
+
+    async def export(self) -> None:
+        self.dispatcher.add(PATH, self.interface)
+        self.dispatcher.signal_listeners.append(self._owner_changed)
+        await self.bus.call(Message(
+            destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
+            interface="org.freedesktop.DBus", member="AddMatch", signature="s",
+            body=["type='signal',sender='org.freedesktop.DBus',member='NameOwnerChanged'"]))
+
+    def _verify(self) -> list[Any]:
+        result = self.manager.verify()
+        drift = [[f"{d.tunable}:{d.where}", d.wanted, d.actual] for d in result.drift]
+        return [not drift, drift]
+
+    async def _reload_checked(self) -> None:
+        errors = await self._reload()
+        if errors:
+            raise ProfileError(errors[0].file, errors[0].line,
+                               f"{errors[0].reason} (reloaded the rest; the previous version "
+                               f"of a rejected profile stays)")
+
+    async def _hold(self, caller: Caller, profile: str, reason: str, app_id: str) -> int:
+        cookie = self.manager.hold(profile, reason, app_id, caller.sender)
+        reply = await self.bus.call(Message(
+            destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
+            interface="org.freedesktop.DBus", member="GetNameOwner", signature="s",
+            body=[caller.sender]))
+        if reply.message_type == MessageType.ERROR:   # it left before we could watch it
+            self.manager.release_owner(caller.sender)
+        return cookie
+
     def _owner_changed(self, msg: Message) -> None:
         if (msg.member == "NameOwnerChanged" and msg.sender == "org.freedesktop.DBus"
                 and len(msg.body) == 3 and msg.body[0].startswith(":") and not msg.body[2]):
             self.manager.release_owner(msg.body[0])
 
-    def _properties_changed(self, names: list[str]) -> None:
-        self.interface.emit_properties_changed(self.interface.property_values(names))
+
+class EngineInterface(DispatchedInterface):
+    """Properties and signals of ``org.dsr1d.Engine1``."""
+
+    def __init__(self, host: EngineHost | None, methods: dict[str, Method]) -> None:
+        super().__init__(ENGINE, methods)
+        self.host = host
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Model(self) -> "s":
+        if self.host is None:
+            return ""
+        return str(self.host.info.get("model") or self.host.model)
+
+    @dbus_property(access=PropertyAccess.READ)
+    def State(self) -> "s":
+        return "unconfigured" if self.host is None else self.host.state
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Threads(self) -> "u":
+        return 0 if self.host is None else self.host.threads
+
+    @dbus_property(access=PropertyAccess.READ)
+    def TokensPerSecond(self) -> "d":
+        return 0.0 if self.host is None else self.host.tokens_per_s
+
+    @signal()
+    def Token(self, job: int, piece: str) -> "ts":
+        return [job, piece]
+
+    @signal()
+    def Finished(self, job: int, stats: dict) -> "ta{sv}":
+        return [job, stats]
+
+
+def _plain(options: dict[str, Variant]) -> dict[str, Any]:
+    return {k: v.value if isinstance(v, Variant) else v for k, v in options.items()}
+
+
+class EngineService:
+    """Exports ``org.dsr1d.Engine1``; with no model configured every call says so."""
+
+    def __init__(self, dispatcher: Dispatcher, host: EngineHost | None) -> None:
+        self.dispatcher = dispatcher
+        self.host = host
+        self.interface = EngineInterface(host, {m.name: m for m in self._methods()})
+        if host is not None:
+            host.token_listeners.append(self.interface.Token)
+            host.finished_listeners.append(
+                lambda job, stats: self.interface.Finished(job, _variants(stats)))
+            host.change_listeners.append(self.interface.emit_changed)
+
+    def _methods(self) -> list[Method]:
+        return [
+            Method("Generate", (("prompt", "s"), ("options", "a{sv}")), "sa{sv}", True,
+                   lambda caller, prompt, options: self._generate(prompt, options)),
+            Method("Submit", (("prompt", "s"), ("options", "a{sv}")), "t", True,
+                   lambda caller, prompt, options: self._submit(prompt, options)),
+            Method("Cancel", (("job", "t"),), "", True,
+                   lambda caller, job: self._engine().cancel(job)),
+        ]
+
+    def export(self) -> None:
+        self.dispatcher.add(ENGINE_PATH, self.interface)
+
+    def _engine(self) -> EngineHost:
+        if self.host is None:
+            raise EngineUnavailable("no model configured (set model= in /etc/dsr1d/dsr1d.conf)")
+        return self.host
+
+    async def _generate(self, prompt: str, options: dict[str, Variant]) -> list[Any]:
+        result = await self._engine().generate(prompt, _plain(options))
+        return [result["text"], _variants(result["stats"])]
+
+    async def _submit(self, prompt: str, options: dict[str, Variant]) -> int:
+        return (await self._engine().submit(prompt, _plain(options))).id
+
+
+def _variants(values: dict[str, Any]) -> dict[str, Variant]:
+    return {k: to_variant(v) for k, v in values.items()}
 
 
 # Other daemons that tune the same machine, by the bus name they own.

@@ -20,7 +20,8 @@ from dbus_fast import NameFlag, RequestNameReply
 
 from .config import DEFAULT_PATH, Config, load_config
 from .context import build_core
-from .dbus_api import BUS_NAME, ManagerService, connect, neighbours
+from .dbus_api import BUS_NAME, Dispatcher, EngineService, ManagerService, connect, neighbours
+from .engine_host import EngineHost
 from .manager import Manager
 from .notify import notify, setup_logging, watchdog_interval_s
 from .profiles import ProfileError, UnknownProfile
@@ -28,6 +29,7 @@ from .state import JournalError
 from .telemetry import Sampler
 from .tuning import ApplyFailed, TuningError
 
+ENGINE_HOLDER = "dsr1d-engine"  # owner of the engine's hold (not a bus name: never "leaves")
 EXIT_CONFIG = 78  # EX_CONFIG: the unit does not restart on it (RestartPreventExitStatus)
 log = logging.getLogger("dsr1d")
 
@@ -48,6 +50,7 @@ class Daemon:
         self.stop_event = asyncio.Event()
         self.sampler = Sampler()
         self.manager: Manager | None = None
+        self.engine: EngineHost | None = None
 
     async def run(self) -> int:
         try:
@@ -70,13 +73,18 @@ class Daemon:
             return self._fail(f"cannot start: {exc}", 1)
         for name, meaning in (await neighbours(bus)).items():
             log.warning("%s on the bus: %s", name, meaning)
-        service = ManagerService(bus, manager, self.reload, self.sampler.sample)
+        dispatcher = Dispatcher(bus)
+        self.engine = self._make_engine(config, manager)
+        service = ManagerService(dispatcher, manager, self.reload, self.telemetry)
         await service.export()
+        EngineService(dispatcher, self.engine).export()
         manager.change_listeners.append(lambda names: notify(STATUS=manager.status_line()))
         monitor = self._start_hotplug(manager)
         self._install_signals()
         notify(READY="1", STATUS=manager.status_line())
         log.info("ready: %s", manager.status_line(), extra={"PROFILE": manager.active})
+        if self.engine is not None:
+            await self.engine.start()
         watchdog = self._start_watchdog()
         await self.stop_event.wait()
         notify(STOPPING="1", STATUS="restoring every knob")
@@ -84,6 +92,8 @@ class Daemon:
             watchdog.cancel()
         if monitor:
             monitor.stop()
+        if self.engine is not None:
+            await self.engine.stop()
         failed = manager.stop()
         await bus.release_name(BUS_NAME)
         bus.disconnect()
@@ -106,6 +116,41 @@ class Daemon:
             log.error("reload could not re-apply %s: %s", self.manager.active, exc)
         notify(READY="1", STATUS=self.manager.status_line())
         return errors
+
+    def telemetry(self) -> dict:
+        """GetTelemetry: the system sample plus the engine's own decode speed."""
+        sample = self.sampler.sample()
+        if self.engine is not None:
+            sample["engine_tokens_per_s"] = self.engine.tokens_per_s
+            sample["engine_state"] = self.engine.state
+        return sample
+
+    def _make_engine(self, config: Config, manager: Manager) -> EngineHost | None:
+        """The engine worker's host, holding ``engine_profile`` while it generates."""
+        if not config.model:
+            return None
+        host = EngineHost(Path(config.model), config.engine_dtype, config.engine_threads,
+                          config.engine_cpus)
+        cookie: list[int] = []
+
+        def busy(now_busy: bool) -> None:
+            try:
+                if now_busy and not cookie:
+                    cookie.append(manager.hold(config.engine_profile, "the engine is generating",
+                                               "dsr1d-engine", ENGINE_HOLDER))
+                elif not now_busy and cookie:
+                    manager.release(cookie.pop(), ENGINE_HOLDER)
+            except Exception as exc:  # a failed hold must not stop generation
+                log.warning("engine hold of %s: %s", config.engine_profile, exc)
+
+        def profile_threads(old: str, new: str, reason: str) -> None:
+            threads = manager.profiles[new].sections.get("engine", {}).get("threads")
+            if threads is not None and threads != host.threads:
+                asyncio.get_running_loop().create_task(host.set_threads(threads))
+
+        host.busy_listeners.append(busy)
+        manager.profile_listeners.append(profile_threads)
+        return host
 
     def _fail(self, message: str, code: int) -> int:
         log.error("%s", message)

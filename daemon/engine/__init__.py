@@ -1,0 +1,1 @@
+"""The inference engine: the only package that imports torch and transformers."""

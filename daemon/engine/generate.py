@@ -1,0 +1,153 @@
+"""The decode loop: chat template, prefill, token-by-token decode with a KV cache, sampling,
+streaming, cancel, and the statistics people ask for (first-token latency, decode tokens/s,
+reasoning/answer split)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .model import Loaded
+from .textstream import IncrementalDecoder, ThinkSplitter
+
+# DeepSeek's guidance for R1: temperature 0.6, top-p 0.95, no system prompt.
+DEFAULTS = {"max_new_tokens": 512, "temperature": 0.6, "top_p": 0.95, "greedy": False,
+            "seed": -1}
+
+
+class InvalidRequest(Exception):
+    """The request cannot be served as asked (too long, bad option)."""
+
+
+@dataclass
+class Result:
+    text: str
+    reasoning: str
+    answer: str
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+OnText = Callable[[str], None]
+
+
+class Generator:
+    """Generates from one loaded model, one request at a time."""
+
+    def __init__(self, loaded: Loaded) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.vocab = len(self.tokenizer)
+        eos = self.tokenizer.eos_token_id
+        self.stop_ids = {eos} if isinstance(eos, int) else set(eos or [])
+        self.threads: int | None = None
+
+    def encode(self, prompt: str) -> list[int]:
+        """The prompt in the model's chat template, ending with the generation prompt."""
+        ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                 add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def generate(self, prompt: str, options: dict[str, Any], on_text: OnText | None = None,
+                 cancelled: Callable[[], bool] = lambda: False,
+                 threads: Callable[[], int | None] = lambda: None) -> Result:
+        opts = {**DEFAULTS, **options}
+        ids = self.encode(prompt)
+        budget = len(ids) + int(opts["max_new_tokens"])
+        if budget > self.loaded.context:
+            raise InvalidRequest(f"the prompt is {len(ids)} tokens; with max_new_tokens "
+                                 f"{opts['max_new_tokens']} that exceeds the model's context of "
+                                 f"{self.loaded.context} tokens")
+        sampler = _Sampler(opts, self.vocab)
+        decoder = IncrementalDecoder(lambda t: self.tokenizer.decode(t, skip_special_tokens=False))
+        splitter = ThinkSplitter()
+        new: list[int] = []
+        reason = "length"
+        self._set_threads(threads())
+        with torch.inference_mode():
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=self.model.config)
+            start = time.perf_counter()
+            logits = self._step(torch.tensor([ids]), cache)
+            token = sampler(logits)
+            first = time.perf_counter()
+            while True:
+                if token in self.stop_ids:
+                    reason = "eos"
+                    break
+                new.append(token)
+                self._emit(decoder.push(token), splitter, on_text)
+                if len(new) >= opts["max_new_tokens"]:
+                    break
+                if cancelled():
+                    reason = "cancelled"
+                    break
+                self._set_threads(threads())
+                token = sampler(self._step(torch.tensor([[token]]), cache))
+            end = time.perf_counter()
+        self._emit(decoder.flush(), splitter, on_text, final=True)
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        decode_tokens = max(len(new) - 1, 0)
+        stats = {
+            "prompt_tokens": len(ids),
+            "new_tokens": len(new),
+            "first_token_latency_s": first - start,
+            "decode_tokens_per_s": decode_tokens / (end - first) if end > first and decode_tokens else 0.0,
+            "total_s": end - start,
+            "reasoning_chars": len(splitter.reasoning_text),
+            "answer_chars": len(splitter.answer_text),
+            "finish_reason": reason,
+            "dtype": self.loaded.dtype,
+            "threads": torch.get_num_threads(),
+        }
+        return Result(text, splitter.reasoning_text, splitter.answer_text, stats)
+
+    def _step(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
+                         logits_to_keep=1)
+        return out.logits[0, -1]
+
+    def _set_threads(self, wanted: int | None) -> None:
+        if wanted and wanted != torch.get_num_threads():
+            torch.set_num_threads(wanted)
+
+    @staticmethod
+    def _emit(text: str, splitter: ThinkSplitter, on_text: OnText | None,
+              final: bool = False) -> None:
+        """Stream the raw text (``</think>`` included, so clients can split it too)."""
+        splitter.feed(text)
+        if final:
+            splitter.finish()
+        if text and on_text:
+            on_text(text)
+
+
+class _Sampler:
+    """Greedy, or temperature + top-p (nucleus) sampling over the tokenizer's vocabulary."""
+
+    def __init__(self, opts: dict[str, Any], vocab: int) -> None:
+        self.greedy = bool(opts["greedy"]) or float(opts["temperature"]) == 0.0
+        self.temperature = float(opts["temperature"])
+        self.top_p = float(opts["top_p"])
+        self.vocab = vocab
+        self.generator = torch.Generator()
+        seed = int(opts["seed"])
+        self.generator.manual_seed(seed if seed >= 0 else int(time.time_ns() % (2**31)))
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        # Rows past the tokenizer's vocabulary are padding in R1 checkpoints: never sample them.
+        logits = logits[: self.vocab].float()
+        if self.greedy:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / self.temperature, dim=-1)
+        sorted_probs, order = torch.sort(probs, descending=True)
+        drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > self.top_p
+        sorted_probs[drop] = 0.0
+        pick = torch.multinomial(sorted_probs, 1, generator=self.generator)
+        return int(order[pick])

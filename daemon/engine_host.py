@@ -1,0 +1,317 @@
+"""The daemon's side of the engine: owns the worker process (no torch here).
+
+Starts ``python -m dsr1d.engine.worker`` with a socket, pins it to CPUs, sets its thread count,
+health-checks it with pings, restarts it with back-off when it dies (pending callers get
+``EngineUnavailable`` at once, never a hang), and turns its JSON-lines events into callbacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+
+log = logging.getLogger("dsr1d")
+
+PING_INTERVAL_S = 10.0
+PING_TIMEOUT_S = 30.0
+BACKOFF_S = (1, 2, 5, 10, 30, 60)
+OPTIONS: dict[str, tuple[type, float | None, float | None]] = {
+    "max_new_tokens": (int, 1, 1_000_000),
+    "temperature": (float, 0.0, 2.0),
+    "top_p": (float, 0.0, 1.0),
+    "greedy": (bool, None, None),
+    "seed": (int, 0, 2**63 - 1),
+}
+
+
+class EngineUnavailable(Exception):
+    """The engine is not running (not configured, loading, restarting, or failed)."""
+
+
+class InvalidArgument(Exception):
+    """A request option is unknown, of the wrong type, or out of range; or the prompt is too long."""
+
+
+class Cancelled(Exception):
+    """The job was cancelled before it produced a result."""
+
+
+def validate_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Check generation options; InvalidArgument names the key and what is allowed."""
+    clean: dict[str, Any] = {}
+    for key, value in options.items():
+        if key not in OPTIONS:
+            raise InvalidArgument(f"unknown option {key!r} (known: {', '.join(OPTIONS)})")
+        kind, lo, hi = OPTIONS[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise InvalidArgument(f"option {key!r} must be {kind.__name__}, "
+                                  f"got {type(value).__name__}")
+        if lo is not None and not lo <= value <= hi:
+            raise InvalidArgument(f"option {key!r} = {value} is outside {lo}..{hi}")
+        if key == "top_p" and value == 0:
+            raise InvalidArgument("option 'top_p' must be above 0")
+        clean[key] = value
+    return clean
+
+
+def physical_cores() -> int:
+    """One decode thread per physical core (hyperthreads do not help decode)."""
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+@dataclass
+class Job:
+    id: int
+    prompt: str
+    options: dict[str, Any]
+    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+TokenListener = Callable[[int, str], None]
+FinishedListener = Callable[[int, dict[str, Any]], None]
+ChangeListener = Callable[[list[str]], None]
+BusyListener = Callable[[bool], None]
+
+
+class EngineHost:
+    """Runs and supervises one engine worker."""
+
+    def __init__(self, model: Path, dtype: str = "auto", threads: int = 0,
+                 cpus: list[int] | None = None, python: str = sys.executable) -> None:
+        self.model = model
+        self.dtype = dtype
+        self.threads = threads or physical_cores()
+        self.cpus = cpus
+        self.python = python
+        self.state = "stopped"
+        self.info: dict[str, Any] = {}
+        self.tokens_per_s = 0.0
+        self.jobs: dict[int, Job] = {}
+        self._next_job = 1
+        self._proc: asyncio.subprocess.Process | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._restarts = 0
+        self._stopping = False
+        self._last_pong = 0.0
+        self.token_listeners: list[TokenListener] = []
+        self.finished_listeners: list[FinishedListener] = []
+        self.change_listeners: list[ChangeListener] = []
+        self.busy_listeners: list[BusyListener] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._stopping = False
+        await self._spawn()
+        self._spawn_task(self._health())
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for task in list(self._tasks):
+            task.cancel()
+        self._fail_jobs("the daemon is stopping")
+        if self._writer is not None:
+            self._writer.close()
+        if self._proc is not None and self._proc.returncode is None:
+            try:
+                await asyncio.wait_for(self._proc.wait(), 5)
+            except asyncio.TimeoutError:
+                self._proc.kill()
+                await self._proc.wait()
+        self._set_state("stopped")
+
+    async def _spawn(self) -> None:
+        parent, child = socket.socketpair()
+        self._set_state("loading")
+        self._proc = await asyncio.create_subprocess_exec(
+            self.python, "-m", "dsr1d.engine.worker", "--fd", str(child.fileno()),
+            "--model", str(self.model), "--dtype", self.dtype, "--threads", str(self.threads),
+            pass_fds=(child.fileno(),), stdin=asyncio.subprocess.DEVNULL)
+        child.close()
+        if self.cpus:
+            try:
+                os.sched_setaffinity(self._proc.pid, self.cpus)
+            except OSError as exc:
+                log.warning("cannot pin the engine to CPUs %s: %s", self.cpus, exc.strerror)
+        reader, self._writer = await asyncio.open_unix_connection(sock=parent)
+        self._last_pong = asyncio.get_running_loop().time()
+        self._spawn_task(self._read(reader, self._proc))
+        log.info("engine worker %d started: %s, dtype %s, %d thread(s)", self._proc.pid,
+                 self.model, self.dtype, self.threads)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def submit(self, prompt: str, options: dict[str, Any]) -> Job:
+        """Queue a generation; tokens and the result arrive through the listeners."""
+        if self.state not in ("ready", "busy"):
+            raise EngineUnavailable(f"the engine is {self.state}"
+                                    + (f": {self.info['error']}" if "error" in self.info else ""))
+        clean = validate_options(options)
+        job = Job(self._next_job, prompt, clean)
+        self._next_job += 1
+        self.jobs[job.id] = job
+        await self._send(op="generate", job=job.id, prompt=prompt, options=clean)
+        if self.state == "ready":
+            self._set_state("busy")
+        return job
+
+    async def generate(self, prompt: str, options: dict[str, Any]) -> dict[str, Any]:
+        """Generate and wait for the result (text, reasoning, answer, stats)."""
+        job = await self.submit(prompt, options)
+        return await job.done
+
+    async def cancel(self, job_id: int) -> None:
+        if job_id not in self.jobs:
+            raise InvalidArgument(f"no running or queued job {job_id}")
+        await self._send(op="cancel", job=job_id)
+
+    async def set_threads(self, threads: int) -> None:
+        """Change the decode thread count; a running job picks it up before its next token."""
+        self.threads = threads or physical_cores()
+        if self._writer is not None and self.state in ("ready", "busy"):
+            await self._send(op="threads", n=self.threads)
+        self._changed(["Threads"])
+
+    # -- worker events -----------------------------------------------------------------------
+
+    async def _read(self, reader: asyncio.StreamReader, proc: asyncio.subprocess.Process) -> None:
+        while line := await reader.readline():
+            try:
+                self._event(json.loads(line))
+            except (ValueError, KeyError) as exc:
+                log.error("engine sent garbage (%s): %.200r", exc, line)
+        code = await proc.wait()
+        if self._stopping:
+            return
+        why = f"signal {-code}" if code < 0 else f"exit status {code}"
+        self._fail_jobs(f"the engine worker died ({why}); it is being restarted")
+        if self.state == "failed":
+            return
+        delay = BACKOFF_S[min(self._restarts, len(BACKOFF_S) - 1)]
+        self._restarts += 1
+        log.error("engine worker %d died (%s); restarting in %d s", proc.pid, why, delay)
+        self._set_state("restarting")
+        await asyncio.sleep(delay)
+        if not self._stopping:
+            await self._spawn()
+
+    def _event(self, event: dict[str, Any]) -> None:
+        kind = event["ev"]
+        if kind == "pong":
+            self._last_pong = asyncio.get_running_loop().time()
+        elif kind == "loading":
+            log.info("engine loading %s: %.1f/%.1f GB", event["file"], event["done"] / 1e9,
+                     event["total"] / 1e9)
+        elif kind == "ready":
+            self.info = {k: v for k, v in event.items() if k != "ev"}
+            self._restarts = 0
+            log.info("engine ready: %s as %s (%s), %d thread(s)", event["model"], event["dtype"],
+                     event["dtype_reason"], event["threads"])
+            self._set_state("ready")
+            self._changed(["Model", "Threads"])
+        elif kind == "token":
+            for listener in self.token_listeners:
+                listener(event["job"], event["piece"])
+        elif kind == "finished":
+            self._finish(event)
+        elif kind == "error":
+            self._error(event)
+
+    def _finish(self, event: dict[str, Any]) -> None:
+        job = self.jobs.pop(event["job"], None)
+        stats = {**event["stats"], "reasoning": event["reasoning"], "answer": event["answer"]}
+        if stats.get("decode_tokens_per_s"):
+            self.tokens_per_s = float(stats["decode_tokens_per_s"])
+            self._changed(["TokensPerSecond"])
+        for listener in self.finished_listeners:
+            listener(event["job"], stats)
+        if job and not job.done.done():
+            job.done.set_result({"text": event["text"], "stats": stats})
+        self._idle_if_done()
+
+    def _error(self, event: dict[str, Any]) -> None:
+        if event.get("job") is None:
+            self.info["error"] = event["message"]
+            log.error("engine cannot start: %s", event["message"])
+            self._set_state("failed")
+            return
+        job = self.jobs.pop(event["job"], None)
+        exc = {"InvalidArgument": InvalidArgument, "Cancelled": Cancelled}.get(
+            event["name"], EngineUnavailable)(event["message"])
+        for listener in self.finished_listeners:
+            listener(event["job"], {"error": event["message"], "finish_reason": "error"})
+        if job and not job.done.done():
+            job.done.set_exception(exc)
+        self._idle_if_done()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    async def _send(self, **message: Any) -> None:
+        if self._writer is None:
+            raise EngineUnavailable(f"the engine is {self.state}")
+        try:
+            self._writer.write((json.dumps(message) + "\n").encode())
+            await self._writer.drain()
+        except (ConnectionError, OSError) as exc:
+            raise EngineUnavailable(f"the engine worker is gone ({exc})") from None
+
+    async def _health(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(PING_INTERVAL_S)
+            if self.state not in ("ready", "busy") or self._proc is None:
+                continue
+            if loop.time() - self._last_pong > PING_TIMEOUT_S:
+                log.error("engine worker %d stopped answering pings; killing it", self._proc.pid)
+                self._proc.kill()
+                continue
+            try:
+                await self._send(op="ping")
+            except EngineUnavailable:
+                pass
+
+    def _fail_jobs(self, message: str) -> None:
+        for job in self.jobs.values():
+            if not job.done.done():
+                job.done.set_exception(EngineUnavailable(message))
+            for listener in self.finished_listeners:
+                listener(job.id, {"error": message, "finish_reason": "error"})
+        self.jobs.clear()
+        self._writer = None
+        for listener in self.busy_listeners:
+            listener(False)
+
+    def _idle_if_done(self) -> None:
+        if not self.jobs and self.state == "busy":
+            self._set_state("ready")
+
+    def _set_state(self, state: str) -> None:
+        if state == self.state:
+            return
+        was_busy = self.state == "busy"
+        self.state = state
+        if (state == "busy") != was_busy:
+            for listener in self.busy_listeners:
+                listener(state == "busy")
+        self._changed(["State"])
+
+    def _changed(self, names: list[str]) -> None:
+        for listener in self.change_listeners:
+            listener(names)
+
+    def _spawn_task(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
