@@ -143,6 +143,9 @@ def parser() -> argparse.ArgumentParser:
     apply.add_argument("profile")
     apply.add_argument("--dry-run", action="store_true", help="show the plan, write nothing")
     sub.add_parser("verify", parents=[common], help="compare every knob with the active profile")
+    model = sub.add_parser("model", help="model tools: `dsr1d model synth --preset tiny DIR`")
+    model.add_argument("model_args", nargs=argparse.REMAINDER,
+                       help="synth --preset tiny|1.5b|7b [--seed N] [--dtype D] [--force] DIR")
     run = sub.add_parser("run", parents=[common], help="the daemon (systemd runs this)")
     run.add_argument("--config", help="configuration file (default /etc/dsr1d/dsr1d.conf)")
     run.add_argument("--bus-address", help="D-Bus address (default: the system bus, or "
@@ -156,6 +159,13 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.command == "model":
+        if args.model_args[:1] != ["synth"]:
+            print("dsr1d: usage: dsr1d model synth --preset tiny|1.5b|7b DIR", file=sys.stderr)
+            return EXIT_USAGE
+        from .engine.synth import synth_main
+
+        return synth_main(args.model_args[1:])
     if args.command == "run":
         from .service import main as run_daemon
 

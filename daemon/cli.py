@@ -1,7 +1,8 @@
 """``dsr1ctl``: the client people and scripts type, talking to the running daemon over D-Bus.
 
 Exit status: 0 done; 1 the daemon could not do it (a write failed, drift found); 2 bad input
-(usage, unknown profile, wrong arguments); 3 the daemon is not reachable; 4 access denied.
+(usage, unknown profile, wrong arguments); 3 the daemon is not reachable; 4 access denied;
+5 the engine is unavailable (no model, loading, restarting).
 ``hold`` exits with the status of the command it ran.
 """
 
@@ -24,6 +25,7 @@ BUS_NAME, PATH, MANAGER = "org.dsr1d", "/org/dsr1d", "org.dsr1d.Manager1"
 EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_DENIED = 1, 2, 3, 4
 _USAGE_ERRORS = ("UnknownProfile", "InvalidProfile", "InvalidArgs", "NoSuchHold", "NotHolder",
                  "InvalidArgument")
+EXIT_ENGINE = 5
 
 
 class ClientError(Exception):
@@ -43,6 +45,8 @@ class ClientError(Exception):
             return EXIT_USAGE
         if short in ("ServiceUnknown", "NameHasNoOwner", "NoReply", "Disconnected"):
             return EXIT_UNREACHABLE
+        if short == "EngineUnavailable":
+            return EXIT_ENGINE
         return EXIT_FAILED
 
 
@@ -58,9 +62,11 @@ class Client:
         return cls(await bus.connect())
 
     async def call(self, member: str, signature: str = "", *body: Any,
-                   interface: str = MANAGER) -> list[Any]:
-        reply = await self.bus.call(Message(destination=BUS_NAME, path=PATH, interface=interface,
-                                            member=member, signature=signature, body=list(body)))
+                   interface: str = MANAGER, path: str = PATH,
+                   destination: str = BUS_NAME) -> list[Any]:
+        reply = await self.bus.call(Message(destination=destination, path=path,
+                                            interface=interface, member=member,
+                                            signature=signature, body=list(body)))
         if reply.message_type == MessageType.ERROR:
             text = reply.body[0] if reply.body else reply.error_name
             raise ClientError(reply.error_name, str(text))
@@ -182,7 +188,107 @@ async def cmd_watch(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"status": cmd_status, "list": cmd_list, "profile": cmd_profile,
+ENGINE_PATH, ENGINE = "/org/dsr1d/engine", "org.dsr1d.Engine1"
+DIM, RESET = "\033[2m", "\033[0m"
+
+
+def _generation_options(args: argparse.Namespace) -> dict[str, Variant]:
+    options: dict[str, Variant] = {}
+    if args.max_new_tokens is not None:
+        options["max_new_tokens"] = Variant("u", args.max_new_tokens)
+    if args.temperature is not None:
+        options["temperature"] = Variant("d", args.temperature)
+    if args.top_p is not None:
+        options["top_p"] = Variant("d", args.top_p)
+    if args.greedy:
+        options["greedy"] = Variant("b", True)
+    if args.seed is not None:
+        options["seed"] = Variant("t", args.seed)
+    if args.ignore_eos:
+        options["ignore_eos"] = Variant("b", True)
+    return options
+
+
+class _Printer:
+    """Prints streamed pieces as they arrive: reasoning dimmed (or marked), then the answer."""
+
+    def __init__(self, tty: bool, show_reasoning: bool) -> None:
+        from .engine.textstream import ThinkSplitter
+
+        self.splitter = ThinkSplitter()
+        self.tty = tty
+        self.show_reasoning = show_reasoning
+        self.kind = ""
+
+    def feed(self, text: str, final: bool = False) -> None:
+        pieces = self.splitter.feed(text) + (self.splitter.finish() if final else [])
+        for kind, piece in pieces:
+            if kind == "reasoning" and not self.show_reasoning:
+                continue
+            if kind != self.kind:
+                self._switch(kind)
+            sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    def _switch(self, kind: str) -> None:
+        if self.tty:
+            sys.stdout.write(DIM if kind == "reasoning" else RESET + ("\n" if self.kind else ""))
+        else:
+            sys.stdout.write(f"[{kind}]\n" if not self.kind else f"\n[{kind}]\n")
+        self.kind = kind
+
+    def close(self) -> None:
+        if self.tty and self.kind == "reasoning":
+            sys.stdout.write(RESET)
+        sys.stdout.write("\n")
+
+
+async def cmd_generate(client: Client, args: argparse.Namespace) -> int:
+    printer = _Printer(sys.stdout.isatty(), not args.no_reasoning)
+    done: asyncio.Future = asyncio.get_running_loop().create_future()
+    job_id: list[int] = []
+    early: list[Message] = []
+
+    def on_signal(msg: Message) -> None:
+        if msg.message_type != MessageType.SIGNAL or msg.path != ENGINE_PATH:
+            return
+        if not job_id:
+            early.append(msg)  # a signal that raced the Submit reply
+            return
+        if msg.body[0] != job_id[0]:
+            return
+        if msg.member == "Token":
+            printer.feed(msg.body[1])
+        elif msg.member == "Finished" and not done.done():
+            done.set_result({k: v.value for k, v in msg.body[1].items()})
+
+    client.bus.add_message_handler(on_signal)
+    await client.call("AddMatch", "s", f"type='signal',sender='{BUS_NAME}',path='{ENGINE_PATH}'",
+                      interface="org.freedesktop.DBus", destination="org.freedesktop.DBus",
+                      path="/org/freedesktop/DBus")
+    (job,) = await client.call("Submit", "sa{sv}", args.prompt, _generation_options(args),
+                               interface=ENGINE, path=ENGINE_PATH)
+    job_id.append(job)
+    for msg in early:
+        on_signal(msg)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, lambda: loop.create_task(
+        client.call("Cancel", "t", job, interface=ENGINE, path=ENGINE_PATH)))
+    stats = await done
+    printer.feed("", final=True)
+    printer.close()
+    if "error" in stats:
+        print(f"dsr1ctl: {stats['error']}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"-- {stats['new_tokens']} tokens ({stats['prompt_tokens']} prompt), first token "
+          f"{stats['first_token_latency_s'] * 1000:.0f} ms, {stats['decode_tokens_per_s']:.2f} "
+          f"tokens/s decode, reasoning {stats['reasoning_chars']} chars, answer "
+          f"{stats['answer_chars']} chars, {stats['dtype']}, {stats['threads']} threads, "
+          f"stop: {stats['finish_reason']}", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"status": cmd_status, "generate": cmd_generate, "list": cmd_list, "profile": cmd_profile,
             "verify": cmd_verify, "hold": cmd_hold, "watch": cmd_watch}
 
 
@@ -200,6 +306,16 @@ def parser() -> argparse.ArgumentParser:
     hold.add_argument("profile")
     hold.add_argument("--reason", help="shown in status (default: the command)")
     hold.add_argument("command_line", nargs="*", metavar="-- COMMAND…")
+    gen = sub.add_parser("generate", help="generate with the engine, streaming tokens")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-new-tokens", type=int)
+    gen.add_argument("--temperature", type=float, help="default 0.6 (DeepSeek's guidance)")
+    gen.add_argument("--top-p", type=float, help="default 0.95")
+    gen.add_argument("--greedy", action="store_true", help="always the most likely token")
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="generate exactly --max-new-tokens (for benchmarks)")
+    gen.add_argument("--no-reasoning", action="store_true", help="hide the <think> block")
     watch = sub.add_parser("watch", help="live view of profile and telemetry")
     watch.add_argument("--interval", type=float, default=1.0, help="seconds between updates")
     watch.add_argument("--count", type=int, help="stop after this many updates")

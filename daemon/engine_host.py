@@ -29,6 +29,7 @@ OPTIONS: dict[str, tuple[type, float | None, float | None]] = {
     "temperature": (float, 0.0, 2.0),
     "top_p": (float, 0.0, 1.0),
     "greedy": (bool, None, None),
+    "ignore_eos": (bool, None, None),
     "seed": (int, 0, 2**63 - 1),
 }
 

@@ -15,7 +15,7 @@ from .textstream import IncrementalDecoder, ThinkSplitter
 
 # DeepSeek's guidance for R1: temperature 0.6, top-p 0.95, no system prompt.
 DEFAULTS = {"max_new_tokens": 512, "temperature": 0.6, "top_p": 0.95, "greedy": False,
-            "seed": -1}
+            "seed": -1, "ignore_eos": False}
 
 
 class InvalidRequest(Exception):
@@ -78,7 +78,7 @@ class Generator:
             token = sampler(logits)
             first = time.perf_counter()
             while True:
-                if token in self.stop_ids:
+                if token in self.stop_ids and not opts["ignore_eos"]:
                     reason = "eos"
                     break
                 new.append(token)
@@ -109,7 +109,7 @@ class Generator:
         return Result(text, splitter.reasoning_text, splitter.answer_text, stats)
 
     def _step(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
+        out = self.model(input_ids=input_ids, cache=cache, use_cache=True,
                          logits_to_keep=1)
         return out.logits[0, -1]
 

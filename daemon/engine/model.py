@@ -153,7 +153,8 @@ def _materialise_buffers(model: torch.nn.Module, config: object) -> None:
         if any(b.is_meta for b in module.buffers(recurse=False)) and hasattr(module, "inv_freq"):
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, type(module)(config=config, device="cpu"))
+            with torch.device("cpu"):
+                setattr(parent, child, type(module)(config=config))
     left = [n for n, b in model.named_buffers() if b.is_meta]
     left += [n for n, p in model.named_parameters() if p.is_meta]
     if left:
