@@ -146,15 +146,22 @@ async def cmd_hold(client: Client, args: argparse.Namespace) -> int:
         return EXIT_USAGE
     reason = args.reason or " ".join(command)
     (cookie,) = await client.call("HoldProfile", "sss", args.profile, reason, "dsr1ctl")
+    # Handlers go in before the command starts, so no signal can orphan it.
+    pending: list[int] = []
+    started: list[asyncio.subprocess.Process] = []
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda s=sig: started[0].send_signal(s) if started
+                                else pending.append(s))
     try:
         proc = await asyncio.create_subprocess_exec(*command)
     except OSError as exc:
         await client.call("ReleaseProfile", "u", cookie)
         print(f"dsr1ctl: cannot run {command[0]}: {exc.strerror}", file=sys.stderr)
         return 127
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, proc.send_signal, sig)
+    started.append(proc)
+    for sig in pending:
+        proc.send_signal(sig)
     code = await proc.wait()
     try:
         await client.call("ReleaseProfile", "u", cookie)

@@ -106,13 +106,14 @@ class Manager:
             self.config = config
             if not self.selected_by_hand:
                 self.selected = config.default_profile
-        self.profiles = self._load_profiles(previous=self.profiles, errors=errors)
-        wanted = self.wanted()
-        if wanted not in self.profiles:
-            log.error("profile %s no longer exists; keeping %s", wanted, self.active)
-            return errors
-        self._apply(self.profiles[wanted], "reload", force=True)
+        previous = self.profiles
+        self.profiles = self._load_profiles(previous=previous, errors=errors)
+        for name in {self.wanted(), self.active} - set(self.profiles) - {None}:
+            log.error("profile %s no longer exists; keeping the loaded version while it is "
+                      "in use", name)
+            self.profiles[name] = previous[name]
         self._changed(["Profiles"])
+        self._apply(self.profiles[self.wanted()], "reload", force=True)
         return errors
 
     # -- what clients ask for ----------------------------------------------------------------

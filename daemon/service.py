@@ -23,6 +23,7 @@ from .context import build_core
 from .dbus_api import BUS_NAME, Dispatcher, EngineService, ManagerService, connect, neighbours
 from .engine_host import EngineHost
 from .manager import Manager
+from .plugin_manager import PluginError
 from .notify import notify, setup_logging, watchdog_interval_s
 from .profiles import ProfileError, UnknownProfile
 from .state import JournalError
@@ -58,12 +59,22 @@ class Daemon:
         except ProfileError as exc:
             return self._fail(f"configuration rejected: {exc}", EXIT_CONFIG)
         bus = await connect(self.bus_address)
+        try:
+            self.manager = manager = Manager(build_core(config.root, config.journal,
+                                                        config.profiles_dir), config)
+        except PluginError as exc:
+            bus.disconnect()
+            return self._fail(f"configuration rejected: {exc}", EXIT_CONFIG)
+        # Exported before the name is taken, so no caller ever finds the name without objects;
+        # start() below runs before the loop can dispatch any call.
+        dispatcher = Dispatcher(bus)
+        self.engine = self._make_engine(config, manager)
+        await ManagerService(dispatcher, manager, self.reload, self.telemetry).export()
+        EngineService(dispatcher, self.engine).export()
         if await bus.request_name(BUS_NAME, NameFlag.DO_NOT_QUEUE) != RequestNameReply.PRIMARY_OWNER:
             bus.disconnect()
             return self._fail(f"{BUS_NAME} is already owned on this bus: is dsr1d running?", 1)
         try:
-            self.manager = manager = Manager(build_core(config.root, config.journal,
-                                                        config.profiles_dir), config)
             manager.start()
         except (UnknownProfile, ProfileError) as exc:
             bus.disconnect()
@@ -73,11 +84,6 @@ class Daemon:
             return self._fail(f"cannot start: {exc}", 1)
         for name, meaning in (await neighbours(bus)).items():
             log.warning("%s on the bus: %s", name, meaning)
-        dispatcher = Dispatcher(bus)
-        self.engine = self._make_engine(config, manager)
-        service = ManagerService(dispatcher, manager, self.reload, self.telemetry)
-        await service.export()
-        EngineService(dispatcher, self.engine).export()
         manager.change_listeners.append(lambda names: notify(STATUS=manager.status_line()))
         monitor = self._start_hotplug(manager)
         self._install_signals()

@@ -29,7 +29,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -334,16 +334,16 @@ def _write_weights(out_dir: Path, config: dict, seed: int, dtype: str, progress:
     tok_size = config["dsr1d_synthetic"]["tokenizer_size"]
     done = 0
     for fname, shard in files:
-        partial = out_dir / (fname + ".partial")
-        with open(partial, "wb") as f:
+        part_path = out_dir / (fname + ".partial")
+        with open(part_path, "wb") as f:
             f.write(_header(shard, st_dtype, itemsize))
-            make = lambda spec: _make_tensor(spec, seed, torch_dtype, tok_size)  # noqa: E731
+            make = partial(_make_tensor, seed=seed, dtype=torch_dtype, tok_size=tok_size)
             for spec, tensor in _tensors(shard, make, workers):
                 f.write(memoryview(tensor.contiguous().view(torch.uint8).numpy()))
                 done += spec.numel * itemsize
                 if progress:
                     progress(done, total, spec.name)
-        os.replace(partial, out_dir / fname)
+        os.replace(part_path, out_dir / fname)
     if len(files) > 1:
         weight_map = {s.name: fname for fname, shard in files for s in shard}
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
