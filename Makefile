@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 STAMP := $(VENV)/.stamp-setup
 PREFIX ?= /usr
+# A CPU build of torch, installed before the package (an open range would pull a CUDA build).
+TORCH ?= torch==2.13.0
+# ENGINE=no installs the daemon without the inference engine's dependencies.
+ENGINE ?= yes
 DESTDIR ?=
 
 LIBDIR ?= $(PREFIX)/lib/dsr1d
@@ -16,7 +20,8 @@ $(STAMP): setup.cfg pyproject.toml tools/apt-deps.sh
 	tools/apt-deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[test]'
+	$(VENV)/bin/pip install -q $(TORCH)
+	$(VENV)/bin/pip install -q -e '.[engine,test]'
 	touch $@
 
 run: setup
@@ -33,7 +38,8 @@ clean:
 # $(PREFIX)/bin, the unit, config, built-in profiles, D-Bus and polkit policy.
 install:
 	install -d $(DESTDIR)$(LIBDIR) $(DESTDIR)$(PREFIX)/bin $(DESTDIR)/etc/dsr1d/profiles
-	$(PYTHON) -m pip install -q --no-warn-script-location --upgrade --target $(DESTDIR)$(LIBDIR) .
+	$(PYTHON) -m pip install -q --no-warn-script-location --upgrade --target $(DESTDIR)$(LIBDIR) \
+	  $(if $(filter yes,$(ENGINE)),$(TORCH) '.[engine]',.)
 	for cmd in dsr1d:admin dsr1ctl:cli; do \
 	  printf '#!/usr/bin/python3\nimport sys\nsys.path.insert(0, "%s")\nfrom dsr1d.%s import main\nsys.exit(main())\n' \
 	    "$(LIBDIR)" "$${cmd#*:}" > $(DESTDIR)$(PREFIX)/bin/$${cmd%%:*}; \

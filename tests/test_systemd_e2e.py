@@ -63,7 +63,7 @@ def original_thp():
 def box(original_thp):
     with Container(REPO, project_writable=True) as container:
         container.exec("sh", "-c", "cd /src && python3 -m venv /tmp/build "
-                       "&& make install PYTHON=/tmp/build/bin/python", timeout=600)
+                       "&& make install ENGINE=no PYTHON=/tmp/build/bin/python", timeout=600)
         container.write_file("/etc/dsr1d/profiles/e2e-never.conf", NEVER_PROFILE)
         container.exec("systemctl", "reload", "dbus")
         container.exec("systemctl", "daemon-reload")
