@@ -2,8 +2,9 @@
 # The README's run command, on this machine for real:
 #   1. what dsr1d sees here (probe), a dry run of the default profile, then the admin path:
 #      apply, verify, restore;
-#   2. the daemon on a private system-like bus (so it never touches the machine's own bus),
-#      status, a profile switch with busctl, a hold with dsr1ctl, verify;
+#   2. the daemon on a private system-like bus (so it never touches the machine's own bus) with
+#      the embedded default model (a tiny synthetic R1-Distill-Qwen): status, a profile switch
+#      with busctl, a hold with dsr1ctl, verify, a streamed generation and a busctl Generate;
 #   3. SIGTERM: the daemon restores every knob it changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,11 +34,26 @@ for _ in $(seq 100); do grep -q DBUS_SYSTEM_BUS_ADDRESS "$WORK/bus.env" 2>/dev/n
 # shellcheck disable=SC1091
 . "$WORK/bus.env"
 
+# The embedded default model: a tiny synthetic DeepSeek-R1-Distill-Qwen, made on first use.
+MODEL=models/r1-tiny
+[ -e "$MODEL/config.json" ] || step "$BIN/dsr1d" model synth --preset tiny --force "$MODEL"
+cat > "$WORK/dsr1d.conf" <<CONF
+[daemon]
+default_profile = sustained
+model = $PWD/$MODEL
+engine_profile = throughput
+CONF
+
 THP=/sys/kernel/mm/transparent_hugepage/enabled
 echo; echo "THP before the daemon: $(cat $THP)"
-"$BIN/dsr1d" run --config etc/dsr1d/dsr1d.conf --journal "$WORK/state.json" 2>"$WORK/daemon.log" &
+"$BIN/dsr1d" run --config "$WORK/dsr1d.conf" --journal "$WORK/state.json" 2>"$WORK/daemon.log" &
 DAEMON=$!
 for _ in $(seq 100); do busctl --system status org.dsr1d >/dev/null 2>&1 && break; sleep 0.1; done
+for _ in $(seq 300); do
+    busctl --system get-property org.dsr1d /org/dsr1d/engine org.dsr1d.Engine1 State 2>/dev/null \
+        | grep -q ready && break
+    sleep 0.1
+done
 
 step "$BIN/dsr1ctl" status
 step busctl --system call org.dsr1d /org/dsr1d org.dsr1d.Manager1 SwitchProfile s throughput
@@ -46,6 +62,10 @@ echo "THP now: $(cat $THP)"
 step "$BIN/dsr1ctl" hold latency --reason demo -- busctl --system get-property org.dsr1d /org/dsr1d org.dsr1d.Manager1 ActiveProfile
 step "$BIN/dsr1ctl" verify
 step "$BIN/dsr1ctl" list
+# Random weights: the text is noise, but template, streaming, think split and stats are real.
+step "$BIN/dsr1ctl" generate --max-new-tokens 48 --seed 1 "Why is CPU decode memory-bound?"
+step busctl --system call org.dsr1d /org/dsr1d/engine org.dsr1d.Engine1 Generate 'sa{sv}' \
+    "What is 17 * 23?" 3 greedy b true max_new_tokens u 12 ignore_eos b true
 
 printf '\n\033[1m$ kill -TERM <dsr1d>\033[0m\n'
 kill -TERM "$DAEMON"; wait "$DAEMON"; DAEMON=

@@ -59,20 +59,24 @@ ADDED_TOKENS = ((EOS, True), (USER, True), (ASSISTANT, True), (BOS, True), ("<|E
                 (THINK, False), (END_THINK, False))
 
 # Qwen2's pre-tokenizer split (tokenizer.json of Qwen2/2.5 and of the R1-Distill-Qwen models).
-QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # The chat template of deepseek-ai/DeepSeek-R1-Distill-Qwen-{1.5B,7B} tokenizer_config.json as
 # revised in February 2025 (the generation prompt opens the think block). It prepends bos_token.
 CHAT_TEMPLATE = (
-    r"{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
-    r"{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='') %}"
+    r"{% if not add_generation_prompt is defined %}"
+    r"{% set add_generation_prompt = false %}{% endif %}"
+    r"{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, "
+    r"system_prompt='') %}"
     r"{%- for message in messages %}{%- if message['role'] == 'system' %}"
     r"{% set ns.system_prompt = message['content'] %}{%- endif %}{%- endfor %}"
     r"{{bos_token}}{{ns.system_prompt}}"
-    r"{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}"
+    r"{%- for message in messages %}{%- if message['role'] == 'user' %}"
+    r"{%- set ns.is_tool = false -%}"
     r"{{'<｜User｜>' + message['content']}}{%- endif %}"
-    r"{%- if message['role'] == 'assistant' and message['content'] is none %}{%- set ns.is_tool = false -%}"
+    r"{%- if message['role'] == 'assistant' and message['content'] is none %}"
+    r"{%- set ns.is_tool = false -%}"
     r"{%- for tool in message['tool_calls']%}{%- if not ns.is_first %}"
     r"{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>'"
     r" + tool['function']['name'] + '\n' + '```json' + '\n' + tool['function']['arguments'] + '\n'"
@@ -82,12 +86,14 @@ CHAT_TEMPLATE = (
     r" + '<｜tool▁call▁end｜>'}}{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}{%- endif %}"
     r"{%- endfor %}{%- endif %}"
     r"{%- if message['role'] == 'assistant' and message['content'] is not none %}"
-    r"{%- if ns.is_tool %}{{'<｜tool▁outputs▁end｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}"
+    r"{%- if ns.is_tool %}"
+    r"{{'<｜tool▁outputs▁end｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}"
     r"{%- set ns.is_tool = false -%}{%- else %}{% set content = message['content'] %}"
     r"{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}"
     r"{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}"
     r"{%- if message['role'] == 'tool' %}{%- set ns.is_tool = true -%}{%- if ns.is_output_first %}"
-    r"{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}"
+    r"{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content']"
+    r" + '<｜tool▁output▁end｜>'}}"
     r"{%- set ns.is_output_first = false %}{%- else %}"
     r"{{'\n<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{%- endif %}"
     r"{%- endif %}{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif %}"
@@ -168,6 +174,7 @@ def special_ids() -> dict[str, int]:
 
 
 def tokenizer_size() -> int:
+    """Tokens the synthetic tokenizer knows (the model's vocab_size may be larger)."""
     return max(special_ids().values()) + 1
 
 
@@ -175,8 +182,9 @@ def _tokenizer_config() -> dict:
     return {"add_bos_token": True, "add_eos_token": False, "bos_token": BOS,
             "clean_up_tokenization_spaces": False, "eos_token": EOS, "legacy": True,
             "model_max_length": 16384, "pad_token": EOS, "sp_model_kwargs": {}, "unk_token": None,
-            # What the real checkpoints say; transformers 5 notices the ByteLevel tokenizer.json
-            # and loads its generic TokenizersBackend (PreTrainedTokenizerFast), as for them.
+            # What the real checkpoints say. transformers 5 sees a ByteLevel tokenizer.json and
+            # loads the model type's Qwen2Tokenizer instead (a TokenizersBackend, i.e. a
+            # PreTrainedTokenizerFast, encoding exactly as tokenizer.json), as for them.
             "tokenizer_class": "LlamaTokenizerFast", "chat_template": CHAT_TEMPLATE}
 
 
@@ -199,7 +207,8 @@ def model_config(preset: str, dtype: str = "bfloat16", seed: int = 0) -> dict:
     # both files carry the synthetic tokenizer's own ids, so that config and tokenizer agree.
     config = {"architectures": ["Qwen2ForCausalLM"], **COMMON, **arch,
               "bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "torch_dtype": dtype,
-              "dsr1d_synthetic": {"preset": preset, "seed": seed, "tokenizer_size": tokenizer_size()}}
+              "dsr1d_synthetic": {"preset": preset, "seed": seed,
+                                  "tokenizer_size": tokenizer_size()}}
     return dict(sorted(config.items()))
 
 
@@ -253,7 +262,8 @@ def _make_tensor(spec: TensorSpec, seed: int, dtype: torch.dtype, tok_size: int)
     gen = torch.Generator().manual_seed(_tensor_seed(seed, spec.name))
     if spec.init == "lm_head":
         return _lm_head(spec, gen, tok_size).to(dtype)
-    return torch.empty(spec.shape, dtype=torch.float32).normal_(0.0, INIT_STD, generator=gen).to(dtype)
+    weight = torch.empty(spec.shape, dtype=torch.float32)
+    return weight.normal_(0.0, INIT_STD, generator=gen).to(dtype)
 
 
 def _lm_head(spec: TensorSpec, gen: torch.Generator, tok_size: int) -> torch.Tensor:
@@ -295,7 +305,8 @@ def _header(specs: list[TensorSpec], st_dtype: str, itemsize: int) -> bytes:
     offset = 0
     for spec in specs:
         end = offset + spec.numel * itemsize
-        entries[spec.name] = {"dtype": st_dtype, "shape": list(spec.shape), "data_offsets": [offset, end]}
+        entries[spec.name] = {"dtype": st_dtype, "shape": list(spec.shape),
+                              "data_offsets": [offset, end]}
         offset = end
     raw = json.dumps(entries, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, like safetensors' own writer
