@@ -73,11 +73,11 @@ class Int4Linear(nn.Module):
 def quantize(model: nn.Module, kind: str, group: int = INT4_GROUP) -> int:
     """Replace every ``nn.Linear`` in ``model`` in place; returns how many were replaced."""
     make = {"int8": Int8Linear, "int4": lambda lin: Int4Linear(lin, group)}[kind]
-    targets = [(name, module) for name, module in model.named_modules()
-               if isinstance(module, nn.Linear)]
-    for name, linear in targets:
+    names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    for name in names:
+        # Only names are kept, so each bf16 weight is freed as soon as it is replaced: the peak
+        # stays near the bf16 model, not bf16 + quantised copies of everything.
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, make(linear))
-        del linear
-    return len(targets)
+        setattr(parent, child, make(getattr(parent, child)))
+    return len(names)
