@@ -6,6 +6,7 @@ little-endian file per register, named by its lowercase hex number.
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
@@ -134,6 +135,39 @@ class FakeRoot:
         self.write(f"{THP}/defrag", _bracket(THP_DEFRAG, defrag))
         self.write(f"{THP}/khugepaged/defrag", f"{khugepaged_defrag}\n")
         return self
+
+
+def _knob_value(rel: str, path: Path) -> object:
+    """A knob's value as the kernel would present it: MSR files as numbers, select files as
+    their bracketed choice (the fake cannot re-bracket a written word), text stripped."""
+    data = path.read_bytes()
+    if "/msr/" in rel and len(data) == 8:
+        return int.from_bytes(data, "little")
+    return _value(data.decode(errors="backslashreplace").strip())
+
+
+def snapshot_tree(root: Path) -> dict[str, object]:
+    """Every knob, symlink (by target, never followed) and directory below ``sys/`` and
+    ``dev/cpu/``; ``dev/cpu_dma_latency`` is left out (see `FakeRoot.snapshot`)."""
+    snap: dict[str, object] = {}
+    for base in ("sys", "dev/cpu"):
+        for dirpath, dirnames, filenames in os.walk(root / base):
+            for name in dirnames + filenames:
+                path = Path(dirpath) / name
+                rel = str(path.relative_to(root))
+                if path.is_symlink():
+                    snap[rel] = ("symlink", os.readlink(path))
+                elif path.is_dir():
+                    snap[rel] = ("dir",)
+                else:
+                    snap[rel] = _knob_value(rel, path)
+    return snap
+
+
+def diff_snapshots(before: dict[str, object], after: dict[str, object]) -> list[str]:
+    """``path: before -> after`` for every entry that differs."""
+    return [f"{rel}: {before.get(rel)!r} -> {after.get(rel)!r}"
+            for rel in sorted(set(before) | set(after)) if before.get(rel) != after.get(rel)]
 
 
 def intel_box(path: Path, cpus: int = 4) -> FakeRoot:

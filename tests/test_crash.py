@@ -24,6 +24,8 @@ import crashplugin
 from conftest import run_dsr1d
 from dsr1d.context import build_core
 from fakeroot import CPU, THP, intel_box
+from fakeroot import diff_snapshots as diff
+from fakeroot import snapshot_tree as snapshot
 
 JOURNAL = "run/dsr1d/state.json"
 NCPUS = 2  # per-CPU knobs on more than one CPU, and as few kill points as that allows
@@ -40,51 +42,6 @@ NAMED_KNOBS = (
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-SELECT_FILES = {f"{THP}/enabled", f"{THP}/defrag"}
-
-
-def _value(rel: str, path: Path) -> object:
-    """A knob's value as the kernel would present it.
-
-    Plain files: the stripped text (dsr1d writes ``0``, the fake was made with ``0\\n``).
-    Select files: the bracketed choice (the fake cannot re-bracket ``always`` when it is written).
-    MSR register files: the 64-bit number.
-    """
-    data = path.read_bytes()
-    if "/msr/" in rel and len(data) == 8:
-        return int.from_bytes(data, "little")
-    text = data.decode(errors="backslashreplace").strip()
-    if rel in SELECT_FILES and "[" in text:
-        return text[text.index("[") + 1:text.index("]")]
-    return text
-
-
-def snapshot(root: Path) -> dict[str, object]:
-    """Every file (value), symlink (target) and directory below ``sys/`` and ``dev/cpu/``.
-
-    ``dev/cpu_dma_latency`` is left out on purpose: a PM QoS request lives with its process,
-    the kernel drops it when the process dies, and the fake file only records what was written.
-    """
-    snap: dict[str, object] = {}
-    for base in ("sys", "dev/cpu"):
-        for dirpath, dirnames, filenames in os.walk(root / base):
-            for name in dirnames + filenames:
-                path = Path(dirpath) / name
-                rel = str(path.relative_to(root))
-                if path.is_symlink():
-                    snap[rel] = ("symlink", os.readlink(path))
-                elif path.is_dir():
-                    snap[rel] = ("dir",)
-                else:
-                    snap[rel] = _value(rel, path)
-    return snap
-
-
-def diff(before: dict[str, object], after: dict[str, object]) -> list[str]:
-    return [f"{rel}: {before.get(rel)!r} -> {after.get(rel)!r}"
-            for rel in sorted(set(before) | set(after)) if before.get(rel) != after.get(rel)]
-
 
 def make_root(path: Path) -> Path:
     intel_box(path, cpus=NCPUS)

@@ -36,6 +36,8 @@ from dsr1d.context import build_core
 from dsr1d.hookspecs import hookimpl
 from dsr1d.tuning import ApplyFailed, TuningError
 from fakeroot import CPU, THP, intel_box
+from fakeroot import diff_snapshots as diff
+from fakeroot import snapshot_tree as snapshot
 
 JOURNAL = "run/dsr1d/state.json"
 REAL_THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -45,43 +47,9 @@ NCPUS = 2
 EPB1 = f"{CPU}/cpu1/power/energy_perf_bias"
 IDLE13 = f"{CPU}/cpu1/cpuidle/state3/disable"   # set by throughput, not by balanced
 DEFRAG = f"{THP}/defrag"
-SELECT_FILES = {f"{THP}/enabled", DEFRAG}
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-def _value(rel: str, path: Path) -> object:
-    """A knob's value as the kernel would present it (see tests/test_crash.py)."""
-    data = path.read_bytes()
-    if "/msr/" in rel and len(data) == 8:
-        return int.from_bytes(data, "little")
-    text = data.decode(errors="backslashreplace").strip()
-    if rel in SELECT_FILES and "[" in text:
-        return text[text.index("[") + 1:text.index("]")]
-    return text
-
-
-def snapshot(root: Path) -> dict[str, object]:
-    """Every knob below ``sys/`` and ``dev/cpu/`` (symlinks by target, never followed)."""
-    snap: dict[str, object] = {}
-    for base in ("sys", "dev/cpu"):
-        for dirpath, dirnames, filenames in os.walk(root / base):
-            for name in dirnames + filenames:
-                path = Path(dirpath) / name
-                rel = str(path.relative_to(root))
-                if path.is_symlink():
-                    snap[rel] = ("symlink", os.readlink(path))
-                elif path.is_dir():
-                    snap[rel] = ("dir",)
-                else:
-                    snap[rel] = _value(rel, path)
-    return snap
-
-
-def diff(want: dict[str, object], got: dict[str, object]) -> list[str]:
-    return [f"{rel}: {want.get(rel)!r} -> {got.get(rel)!r}"
-            for rel in sorted(set(want) | set(got)) if want.get(rel) != got.get(rel)]
-
 
 def broken(snap: dict[str, object], rel: str, entry: object) -> dict[str, object]:
     """``snap`` with knob ``rel`` as it was broken (if the snapshot covers it at all)."""
