@@ -22,6 +22,7 @@ from dbus_fast.aio import MessageBus
 from .table import render
 
 BUS_NAME, PATH, MANAGER = "org.dsr1d", "/org/dsr1d", "org.dsr1d.Manager1"
+ENGINE_PATH, ENGINE = "/org/dsr1d/engine", "org.dsr1d.Engine1"
 EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_DENIED = 1, 2, 3, 4
 _USAGE_ERRORS = ("UnknownProfile", "InvalidProfile", "InvalidArgs", "NoSuchHold", "NotHolder",
                  "InvalidArgument")
@@ -108,6 +109,14 @@ async def cmd_status(client: Client, args: argparse.Namespace) -> int:
     print(f"throttle:   {props['ThrottleState']}"
           + (f" ({', '.join(props['Mitigations'])})" if props["Mitigations"] else ""))
     print(f"telemetry:  {_telemetry_line(await client.telemetry())}")
+    engine = await client.call("GetAll", "s", ENGINE, interface="org.freedesktop.DBus.Properties",
+                               path=ENGINE_PATH)
+    e = {k: v.value for k, v in engine[0].items()}
+    if e["State"] == "unconfigured":
+        print("engine:     no model configured")
+    else:
+        print(f"engine:     {e['State']}, model {e['Model']}, {e['Threads']} threads, "
+              f"last decode {e['TokensPerSecond']:.2f} tokens/s")
     print(f"version:    {props['Version']}")
     print()
     print(render(("TUNABLE", "SUPPORTED", "DETAIL"),
@@ -195,7 +204,6 @@ async def cmd_watch(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
-ENGINE_PATH, ENGINE = "/org/dsr1d/engine", "org.dsr1d.Engine1"
 DIM, RESET = "\033[2m", "\033[0m"
 
 

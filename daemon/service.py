@@ -90,6 +90,7 @@ class Daemon:
         notify(READY="1", STATUS=manager.status_line())
         log.info("ready: %s", manager.status_line(), extra={"PROFILE": manager.active})
         if self.engine is not None:
+            self.engine.dtype = engine_dtype(config, manager)
             await self.engine.start()
         watchdog = self._start_watchdog()
         await self.stop_event.wait()
@@ -120,6 +121,13 @@ class Daemon:
             errors += self.manager.reload(config)
         except (ApplyFailed, TuningError) as exc:
             log.error("reload could not re-apply %s: %s", self.manager.active, exc)
+        if self.engine is not None:
+            dtype = engine_dtype(self.manager.config, self.manager)
+            if dtype != self.engine.dtype:
+                log.info("engine dtype %s -> %s: restarting the engine", self.engine.dtype, dtype)
+                self.engine.dtype = dtype
+                await self.engine.stop()
+                await self.engine.start()
         notify(READY="1", STATUS=self.manager.status_line())
         return errors
 
@@ -191,6 +199,15 @@ class Daemon:
                 await asyncio.sleep(interval)
 
         return asyncio.get_running_loop().create_task(ping())
+
+
+def engine_dtype(config: Config, manager: Manager) -> str:
+    """The engine's dtype: the config's ``engine_dtype`` unless it is ``auto``, else the default
+    profile's ``[engine] dtype``, else ``auto``. Read at engine start and on reload."""
+    if config.engine_dtype != "auto":
+        return config.engine_dtype
+    profile = manager.profiles.get(config.default_profile)
+    return profile.sections.get("engine", {}).get("dtype", "auto") if profile else "auto"
 
 
 def main(config: str | None, bus_address: str | None, root: str | None, journal: str | None,
