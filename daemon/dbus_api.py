@@ -97,6 +97,11 @@ def error_reply(exc: Exception) -> tuple[str, str]:
     return ERROR + "Internal", f"internal error ({type(exc).__name__}); see the daemon's log"
 
 
+def dbus_string(text: str) -> str:
+    """D-Bus strings cannot hold NUL; a model can emit one (the byte token 0x00)."""
+    return text.replace("\0", "\ufffd")
+
+
 def to_variant(value: Any) -> Variant:
     """A Variant for the plain values telemetry holds."""
     if isinstance(value, bool):
@@ -106,7 +111,7 @@ def to_variant(value: Any) -> Variant:
     if isinstance(value, float):
         return Variant("d", value)
     if isinstance(value, str):
-        return Variant("s", value)
+        return Variant("s", dbus_string(value))
     if isinstance(value, dict):
         return Variant("a{sv}", {k: to_variant(v) for k, v in value.items()})
     if isinstance(value, list) and all(isinstance(v, float) for v in value):
@@ -396,7 +401,8 @@ class EngineService:
         self.host = host
         self.interface = EngineInterface(host, {m.name: m for m in self._methods()})
         if host is not None:
-            host.token_listeners.append(self.interface.Token)
+            host.token_listeners.append(
+                lambda job, piece: self.interface.Token(job, dbus_string(piece)))
             host.finished_listeners.append(
                 lambda job, stats: self.interface.Finished(job, _variants(stats)))
             host.change_listeners.append(self.interface.emit_changed)
@@ -421,7 +427,7 @@ class EngineService:
 
     async def _generate(self, prompt: str, options: dict[str, Variant]) -> list[Any]:
         result = await self._engine().generate(prompt, _plain(options))
-        return [result["text"], _variants(result["stats"])]
+        return [dbus_string(result["text"]), _variants(result["stats"])]
 
     async def _submit(self, prompt: str, options: dict[str, Variant]) -> int:
         return (await self._engine().submit(prompt, _plain(options))).id

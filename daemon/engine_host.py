@@ -66,6 +66,14 @@ def validate_options(options: dict[str, Any]) -> dict[str, Any]:
     return clean
 
 
+def _call(listener: Callable[..., None], *args: Any) -> None:
+    """A listener's failure is logged; it never stops a job's result from being delivered."""
+    try:
+        listener(*args)
+    except Exception:
+        log.exception("engine event listener failed")
+
+
 def physical_cores() -> int:
     """One decode thread per physical core (hyperthreads do not help decode)."""
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
@@ -224,7 +232,7 @@ class EngineHost:
             self._changed(["Model", "Threads"])
         elif kind == "token":
             for listener in self.token_listeners:
-                listener(event["job"], event["piece"])
+                _call(listener, event["job"], event["piece"])
         elif kind == "finished":
             self._finish(event)
         elif kind == "error":
@@ -237,7 +245,7 @@ class EngineHost:
             self.tokens_per_s = float(stats["decode_tokens_per_s"])
             self._changed(["TokensPerSecond"])
         for listener in self.finished_listeners:
-            listener(event["job"], stats)
+            _call(listener, event["job"], stats)
         if job and not job.done.done():
             job.done.set_result({"text": event["text"], "stats": stats})
         self._idle_if_done()
@@ -251,8 +259,9 @@ class EngineHost:
         job = self.jobs.pop(event["job"], None)
         exc = {"InvalidArgument": InvalidArgument, "Cancelled": Cancelled}.get(
             event["name"], EngineUnavailable)(event["message"])
+        reason = "cancelled" if event["name"] == "Cancelled" else "error"
         for listener in self.finished_listeners:
-            listener(event["job"], {"error": event["message"], "finish_reason": "error"})
+            _call(listener, event["job"], {"error": event["message"], "finish_reason": reason})
         if job and not job.done.done():
             job.done.set_exception(exc)
         self._idle_if_done()
@@ -288,7 +297,7 @@ class EngineHost:
             if not job.done.done():
                 job.done.set_exception(EngineUnavailable(message))
             for listener in self.finished_listeners:
-                listener(job.id, {"error": message, "finish_reason": "error"})
+                _call(listener, job.id, {"error": message, "finish_reason": "error"})
         self.jobs.clear()
         self._writer = None
         for listener in self.busy_listeners:

@@ -4,23 +4,35 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 
 try:
-    from systemd import daemon as sd_daemon
     from systemd import journal as sd_journal
 except ImportError:  # pragma: no cover - systemd-python is a dependency; degrade if absent
-    sd_daemon = None
     sd_journal = None
 
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 
 
 def notify(**fields: str) -> bool:
-    """Send ``READY=1``-style fields to ``$NOTIFY_SOCKET``; False when not under systemd."""
-    if sd_daemon is None or not os.environ.get("NOTIFY_SOCKET"):
+    """Send ``READY=1``-style fields to ``$NOTIFY_SOCKET``; False when not under systemd.
+
+    Never blocks: a notify socket nobody reads (a stuck manager, a test) must not stall the
+    event loop, so a full queue drops the message (sd_notify itself would wait).
+    """
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
         return False
-    return bool(sd_daemon.notify("\n".join(f"{k}={v}" for k, v in fields.items())))
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    data = "\n".join(f"{k}={v}" for k, v in fields.items()).encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+        try:
+            sock.sendto(data, socket.MSG_DONTWAIT, address)
+        except OSError:
+            return False
+    return True
 
 
 def watchdog_interval_s() -> float | None:

@@ -21,7 +21,7 @@ from dbus_fast import NameFlag, RequestNameReply
 from .config import DEFAULT_PATH, Config, load_config
 from .context import build_core
 from .dbus_api import BUS_NAME, Dispatcher, EngineService, ManagerService, connect, neighbours
-from .engine_host import EngineHost
+from .engine_host import EngineHost, physical_cores
 from .manager import Manager
 from .plugin_manager import PluginError
 from .notify import notify, setup_logging, watchdog_interval_s
@@ -158,9 +158,12 @@ class Daemon:
                 log.warning("engine hold of %s: %s", config.engine_profile, exc)
 
         def profile_threads(old: str, new: str, reason: str) -> None:
-            threads = manager.profiles[new].sections.get("engine", {}).get("threads")
-            if threads is not None and threads != host.threads:
-                asyncio.get_running_loop().create_task(host.set_threads(threads))
+            # A profile's [engine] threads wins while it is active; 0 or unset means the
+            # config's engine_threads (0 there: one per physical core).
+            wanted = manager.profiles[new].sections.get("engine", {}).get("threads") or \
+                config.engine_threads
+            if (wanted or physical_cores()) != host.threads:
+                asyncio.get_running_loop().create_task(host.set_threads(wanted))
 
         host.busy_listeners.append(busy)
         manager.profile_listeners.append(profile_threads)

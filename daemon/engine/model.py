@@ -80,22 +80,31 @@ def inspect_dir(path: Path) -> tuple[dict, list[Path], int]:
         raise ModelError(f"no tokenizer.json in {path}: a fast tokenizer is required")
     parameters = 0
     for shard in shards:
-        with safe_open(str(shard), framework="pt") as f:
-            for name in f.keys():
-                parameters += _numel(f.get_slice(name).get_shape())
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                for name in f.keys():
+                    parameters += _numel(f.get_slice(name).get_shape())
+        except Exception as exc:  # safetensors raises its own SafetensorError
+            raise ModelError(f"{shard}: not a readable safetensors file ({exc})") from None
     return config, shards, parameters
 
 
 def check_memory(parameters: int, dtype: str) -> None:
     """Refuse before loading when the weights would not fit in available memory."""
-    need = parameters * BYTES_PER_PARAM[dtype]
-    # Quantising passes through bf16 one linear at a time; the peak is the bf16 model.
-    peak = parameters * 2.0 if dtype in ("int8", "int4") else need
     available = psutil.virtual_memory().available
-    if peak > available * MEMORY_HEADROOM:
-        raise ModelError(f"the model needs about {peak / 1e9:.1f} GB to load as {dtype} but only "
-                         f"{available / 1e9:.1f} GB is available; try dtype=int8 or int4, or a "
-                         "smaller model")
+    peak = _peak_bytes(parameters, dtype)
+    if peak <= available * MEMORY_HEADROOM:
+        return
+    fits = [d for d in ("bf16", "int8", "int4")
+            if d != dtype and _peak_bytes(parameters, d) <= available * MEMORY_HEADROOM]
+    advice = f"try dtype={' or '.join(fits)}" if fits else "use a smaller model"
+    raise ModelError(f"the model needs about {peak / 1e9:.1f} GB to load as {dtype} but only "
+                     f"{available / 1e9:.1f} GB is available; {advice}")
+
+
+def _peak_bytes(parameters: int, dtype: str) -> float:
+    # Quantising passes through bf16 one linear at a time; the peak is the bf16 model.
+    return parameters * (2.0 if dtype in ("int8", "int4") else BYTES_PER_PARAM[dtype])
 
 
 def load(path: Path, dtype: str = "auto", progress: Progress | None = None) -> Loaded:
@@ -133,11 +142,16 @@ def _load_weights(model: torch.nn.Module, shards: list[Path], dtype: torch.dtype
     expected = set(model.state_dict())
     seen: set[str] = set()
     for shard in shards:
-        with safe_open(str(shard), framework="pt") as f:
-            for name in f.keys():
-                tensor = f.get_tensor(name).to(dtype)
-                model.load_state_dict({name: tensor}, strict=False, assign=True)
-                seen.add(name)
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                for name in f.keys():
+                    tensor = f.get_tensor(name).to(dtype)
+                    model.load_state_dict({name: tensor}, strict=False, assign=True)
+                    seen.add(name)
+        except (RuntimeError, ValueError) as exc:
+            raise ModelError(f"{shard}: cannot load weights ({str(exc).splitlines()[0]})") from None
+        except Exception as exc:  # SafetensorError
+            raise ModelError(f"{shard}: not a readable safetensors file ({exc})") from None
         done += shard.stat().st_size
         if progress:
             progress(done, total, shard.name)

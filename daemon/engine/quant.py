@@ -21,7 +21,8 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         weight = linear.weight.detach().float()
-        scale = weight.abs().amax(dim=1).clamp(min=1e-8) / 127
+        # Round the scale to bf16 first: the kernel uses the bf16 scale, so q must match it.
+        scale = (weight.abs().amax(dim=1).clamp(min=1e-8) / 127).to(torch.bfloat16).float()
         q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
         self.register_buffer("qweight", q.contiguous())
         self.register_buffer("scales", scale.to(torch.bfloat16))

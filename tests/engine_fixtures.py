@@ -1,0 +1,170 @@
+"""Fixtures for the inference-engine tests: the tiny synthetic R1-Distill-Qwen model (built once
+per session), crafted variants of it, and the real daemon serving it on a private bus.
+
+Test modules load this file as a plugin (``pytest_plugins = ["engine_fixtures"]``) so that its
+fixtures and its report hook (the daemons' logs on a failing test) are active.
+
+The tiny model is ``dsr1d.engine.synth.synthesize("tiny", …)``: the real Qwen2 architecture at
+hidden size 64, two layers, a ~4000-token byte-level BPE tokenizer with R1's special tokens and
+chat template; seconds to build and to load. Nothing here sleeps for a fixed time: every wait
+polls with a deadline (``daemon_fixtures.eventually``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers/huggingface_hub read them
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+from daemon_fixtures import (BUS_NAME, POLICY, BusClient, Daemon, busctl,  # noqa: E402
+                             eventually)
+from fakeroot import FakeRoot, intel_box  # noqa: E402
+from harness.privbus import PrivateBus  # noqa: E402
+
+ENGINE_PATH, ENGINE = "/org/dsr1d/engine", "org.dsr1d.Engine1"
+TOOLS = ("dbus-daemon", "busctl", "dbus-send", "setpriv")
+ENGINE_READY_TIMEOUT = 60.0   # torch + transformers import and the load, in a fresh process
+
+_RUNNING: list[Daemon] = []
+
+
+# -- the tiny model ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny synthetic DeepSeek-R1-Distill-Qwen directory (bf16 weights, seed 0)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from dsr1d.engine import synth
+
+    return Path(synth.synthesize("tiny", tmp_path_factory.mktemp("engine-model") / "tiny", seed=0))
+
+
+def copy_model(src: Path, dst: Path) -> Path:
+    """A private copy of a model directory that a test may break."""
+    shutil.copytree(src, dst)
+    return dst
+
+
+def forced_token_model(src: Path, dst: Path, token: int) -> Path:
+    """A copy of the tiny model whose greedy choice is ``token`` at every position.
+
+    Only the checkpoint's data changes (the code under test is untouched): one residual dimension
+    ``d`` is made a large constant of the embedding that neither attention nor the MLP writes to,
+    the final RMSNorm keeps only ``d``, and only ``token``'s lm_head row reads it. The normed
+    hidden state is then ``~sqrt(hidden) * e_d`` for every input, so ``token``'s logit is about 8
+    and every other logit is 0.
+    """
+    from safetensors.torch import load_file, save_file
+
+    copy_model(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    d = 1
+    weights["model.embed_tokens.weight"][:, d] = 64.0
+    for name, tensor in weights.items():
+        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            tensor[d, :] = 0
+    weights["model.norm.weight"].zero_()
+    weights["model.norm.weight"][d] = 1.0
+    head = weights["lm_head.weight"]
+    head[:, d] = 0
+    head[token, d] = 1.0
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+# -- the daemon serving it -----------------------------------------------------------------------
+
+@dataclass
+class EngineDaemon:
+    """A running ``dsr1d run`` with an engine, its private bus, fake root and a root client."""
+
+    bus: PrivateBus
+    daemon: Daemon
+    fake: FakeRoot
+    model: Path | None
+    clients: list[BusClient] = field(default_factory=list)
+
+    def client(self) -> BusClient:
+        self.clients.append(BusClient(self.bus.address))
+        return self.clients[-1]
+
+    def engine_prop(self, name: str, nobody: bool = False) -> Any:
+        proc = busctl(self.bus, "--json=short", "get-property", BUS_NAME, ENGINE_PATH, ENGINE,
+                      name, nobody=nobody)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)["data"]
+
+    def wait_state(self, wanted: str, timeout: float = ENGINE_READY_TIMEOUT) -> str:
+        def reached() -> bool:
+            if not self.daemon.running():
+                pytest.fail(f"dsr1d exited ({self.daemon.proc.returncode}):\n{self.daemon.log()}")
+            return self.engine_prop("State") == wanted
+
+        eventually(reached, timeout=timeout, interval=0.1, what=f"Engine1.State == {wanted!r}",
+                   detail=lambda: f"--- dsr1d log ---\n{self.daemon.log()}")
+        return wanted
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        self.daemon.cleanup()
+
+
+def daemon_config(path: Path, model: Path | None) -> Path:
+    """``sustained`` at start; with a model: fp32, 2 threads, ``throughput`` while generating."""
+    lines = ["[daemon]", "default_profile = sustained", "telemetry_interval_s = 1.0"]
+    if model is not None:
+        lines += [f"model = {model}", "engine_dtype = fp32", "engine_threads = 2",
+                  "engine_profile = throughput"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def needs_bus() -> None:
+    if os.geteuid() != 0 or not all(shutil.which(t) for t in TOOLS):
+        pytest.skip(f"needs root and {', '.join(TOOLS)}")
+
+
+@contextmanager
+def engine_daemon_running(workdir: Path, model: Path | None,
+                          policies: tuple[Path, ...] = (POLICY,)) -> Iterator[EngineDaemon]:
+    """A daemon on its own private bus, answering on entry (``ActiveProfile`` reads), stopped on
+    exit; the engine may still be loading (``wait_state("ready")``). ``model=None``: no engine
+    configured."""
+    needs_bus()
+    pytest.importorskip("dbus_fast")
+    fake = intel_box(workdir / "root")
+    config = daemon_config(workdir / "dsr1d.conf", model)
+    with PrivateBus(policies) as bus:
+        # No notify socket: the daemon sends STATUS= on every profile change, and a test socket
+        # that nobody reads fills up (max_dgram_qlen) and then blocks the daemon in sd_notify.
+        daemon = Daemon(bus, fake.path, config, workdir, notify=False)
+        served = EngineDaemon(bus, daemon, fake, model)
+        _RUNNING.append(daemon)
+        try:
+            daemon.start().wait_ready()
+            yield served
+        finally:
+            served.close()
+            _RUNNING.remove(daemon)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
+    """Attach the logs of the engine daemons running now to a failing test's report."""
+    report = yield
+    if report.failed:
+        for daemon in _RUNNING:
+            report.sections.append((f"dsr1d log ({daemon.logfile.name})",
+                                    daemon.log() or "(empty)"))
+    return report
