@@ -1,0 +1,153 @@
+"""The thermal plant simulator (dsr1d.sim): calibration, physics, fake root, command line.
+
+Simulated time only: nothing here sleeps or measures the wall clock.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from dsr1d.sim import (CPU, MAX_ENERGY_UJ, RAPL, XEON_SUSTAINED, Controls, Plant, apply_controls,
+                       read_controls, simulate, simulate_main, summarize)
+
+
+@pytest.fixture(scope="module")
+def unmitigated() -> list[dict]:
+    return simulate(XEON_SUSTAINED, 600, None)
+
+
+def window(rows: list[dict], key: str, start: float, end: float) -> float:
+    vals = [r[key] for r in rows if start < r["time_s"] <= end]
+    return sum(vals) / len(vals)
+
+
+def test_calibration_matches_the_published_case(unmitigated: list[dict]) -> None:
+    s = summarize(unmitigated)
+    # ~3.8 GHz at first, PROCHOT (105 °C) after roughly 120 s, then a collapse to ~2.4 GHz
+    assert all(r["busy_mhz"] >= 3790 for r in unmitigated if r["time_s"] < s["first_throttle_s"])
+    assert 100 <= s["first_throttle_s"] <= 140
+    assert 2300 <= window(unmitigated, "busy_mhz", 300, 600) <= 2500
+    assert window(unmitigated, "busy_mhz", 180, 300) < 2600
+    assert 104 <= s["peak_temp_c"] <= 106.5
+    assert s["throttle_events_after_60s"] > 100          # PROCHOT keeps cycling
+    assert 100 <= window(unmitigated, "pkg_temp_c", 300, 600) <= 105.5
+
+
+def test_power_voltage_and_roofline() -> None:
+    plant = Plant()
+    p = plant.params
+    powers = [plant.power_w(f / 10, 32, 1.0, 70.0) for f in range(8, 39)]
+    assert powers == sorted(powers)
+    assert 300 <= plant.power_w(3.8, 32, 1.0, 60.0) <= 330
+    assert plant.power_w(2.0, 32, 1.0, 90.0) > plant.power_w(2.0, 32, 1.0, 50.0)  # leakage
+    assert plant.power_w(2.0, 16, 1.0, 60.0) < plant.power_w(2.0, 32, 1.0, 60.0)
+    # decode: linear in f below the knee, flat (memory bound) above it
+    assert plant.tokens_per_s(3.8) == pytest.approx(p.roofline_tok_s)
+    assert plant.tokens_per_s(p.knee_ghz) == pytest.approx(p.roofline_tok_s)
+    assert plant.tokens_per_s(1.3) == pytest.approx(p.roofline_tok_s / 2)
+    plant.controls.threads = 16
+    assert plant.tokens_per_s(3.8) == pytest.approx(p.roofline_tok_s * 3.8 / p.knee_ghz / 2)
+
+
+def test_controls_pl1_no_turbo_epb() -> None:
+    capped = Plant(controls=Controls(pl1_w=150.0))
+    for _ in range(30):
+        row = capped.step(1.0)
+        assert row["pkg_power_w"] <= 150.5
+    assert row["busy_mhz"] < 3000
+    locked = Plant(replace(XEON_SUSTAINED, rapl_locked=True), Controls(pl1_w=150.0))
+    assert locked.step(1.0)["busy_mhz"] == pytest.approx(3800)
+    plant = Plant()
+    plant.controls.no_turbo = True
+    assert plant.step(1.0)["busy_mhz"] == pytest.approx(2000)
+    plant.controls.no_turbo = False
+    plant.controls.epb = 8
+    assert plant.step(1.0)["busy_mhz"] == pytest.approx(3400)
+    plant.controls.epb = 0
+    assert plant.step(1.0)["busy_mhz"] == pytest.approx(3800)
+
+
+def test_prochot_counts_assertions_and_energy_adds_up(unmitigated: list[dict]) -> None:
+    counts = [r["throttle_count"] for r in unmitigated]
+    assert counts == sorted(counts)
+    assert unmitigated[-1]["energy_j"] == pytest.approx(sum(r["pkg_power_w"] for r in unmitigated))
+    assert unmitigated[-1]["tokens"] == pytest.approx(sum(r["tokens_per_s"] for r in unmitigated))
+    # a hot package with the engine idle cools down and stops throttling
+    plant = Plant(replace(XEON_SUSTAINED, start_temp_c=104.0))
+    plant.controls.load = 0.0
+    rows = [plant.step(1.0) for _ in range(120)]
+    assert rows[-1]["pkg_temp_c"] < 90 and rows[-1]["tokens_per_s"] == 0
+    assert rows[-1]["throttle_count"] == rows[0]["throttle_count"]
+
+
+def test_fake_root_shows_the_state_like_a_machine(tmp_path: Path) -> None:
+    plant = Plant()
+    for _ in range(130):
+        plant.step(1.0)
+    plant.write_fake_root(tmp_path)
+    read = lambda rel: (tmp_path / rel).read_text().strip()  # noqa: E731
+    assert read("sys/class/thermal/thermal_zone0/type") == "x86_pkg_temp"
+    assert int(read("sys/class/thermal/thermal_zone0/temp")) == round(plant.t_die_c * 1000)
+    assert read(f"{RAPL}/name") == "package-0"
+    assert read(f"{RAPL}/constraint_0_name") == "long_term"
+    assert int(read(f"{RAPL}/max_energy_range_uj")) == MAX_ENERGY_UJ
+    assert int(read(f"{RAPL}/energy_uj")) == int(plant.energy_j * 1e6)
+    assert int(read(f"{RAPL}/constraint_0_power_limit_uw")) == 350_000_000
+    assert read(f"{CPU}/intel_pstate/no_turbo") == "0"
+    for n in (0, 31):
+        assert int(read(f"{CPU}/cpu{n}/cpufreq/scaling_cur_freq")) == \
+            round(plant.last["busy_mhz"] * 1000)
+        assert int(read(f"{CPU}/cpu{n}/thermal_throttle/core_throttle_count")) == \
+            plant.throttle_count > 0
+        assert read(f"{CPU}/cpu{n}/thermal_throttle/package_throttle_count") == \
+            str(plant.throttle_count)
+        assert read(f"{CPU}/cpu{n}/power/energy_perf_bias") == "4"
+    assert not list(tmp_path.rglob(".*.tmp"))
+
+
+def test_energy_counter_wraps(tmp_path: Path) -> None:
+    plant = Plant()
+    plant.energy_j = MAX_ENERGY_UJ / 1e6 + 5.0
+    plant.write_fake_root(tmp_path)
+    assert int((tmp_path / RAPL / "energy_uj").read_text()) == pytest.approx(5_000_000, abs=2)
+
+
+def test_controls_close_the_loop_through_files(tmp_path: Path) -> None:
+    plant = Plant()
+    plant.write_fake_root(tmp_path)
+    assert read_controls(tmp_path) == {"pl1_w": 350.0, "no_turbo": False, "epb": 4}
+    # what a daemon writes there
+    (tmp_path / RAPL / "constraint_0_power_limit_uw").write_text("150000000\n")
+    (tmp_path / CPU / "intel_pstate/no_turbo").write_text("1\n")
+    for n in range(32):
+        (tmp_path / CPU / f"cpu{n}/power/energy_perf_bias").write_text("6\n")
+    controls = read_controls(tmp_path)
+    assert controls == {"pl1_w": 150.0, "no_turbo": True, "epb": 6}
+    apply_controls(plant, controls)
+    for _ in range(10):
+        row = plant.step(1.0)
+    assert row["pkg_power_w"] <= 150.5 and row["busy_mhz"] <= 1800.1
+    plant.write_fake_root(tmp_path)   # state rewritten, the daemon's knobs kept
+    assert read_controls(tmp_path) == controls
+    assert read_controls(tmp_path / "nowhere") == {}
+
+
+def test_simulate_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run.csv"
+    assert simulate_main(["--seconds", "180", "--csv", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "apply rapl_pl1" in text and "sustained" in text
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == 180 and rows[-1]["active"] == "rapl_pl1"
+    assert simulate_main(["--seconds", "5", "--no-mitigate"]) == 0
+    root = tmp_path / "root"
+    assert simulate_main(["--seconds", "20", "--fake-root", str(root)]) == 0
+    assert (root / "sys/class/thermal/thermal_zone0/temp").exists()
+    with pytest.raises(SystemExit):
+        simulate_main(["--realtime"])
+    with pytest.raises(SystemExit):
+        simulate_main(["--fake-root", str(root), "--mitigate"])
