@@ -38,3 +38,18 @@ def before_write(target: str, key: str, value: str) -> None:
         or the journal's path when ``target`` is ``"journal"``.
     :param value: the value about to be written (empty for the journal).
     """
+
+
+@hookspec
+def register_telemetry_sources(register: Callable[[object], None]) -> None:
+    """Register the telemetry sources this plugin provides.
+
+    Called once when the plugin manager is built. A source has ``name``, ``probe(root)`` ->
+    ``Support`` (available here or not, and why), ``start(root)`` / ``stop()`` for sources that
+    own a subprocess or file handles, and ``read(root, now)`` -> ``{key_with_unit: value}``
+    with what it measured since the last read; a value it cannot measure is left out, never
+    invented (see :mod:`dsr1d.telemetry_sources`).
+
+    :param register: call it with each source object; a second source with a name already
+        taken is an error.
+    """

@@ -20,6 +20,10 @@ DEFAULT_PLUGINS = (
     "dsr1d.plugins.cstate",
     "dsr1d.plugins.prefetcher",
     "dsr1d.plugins.thp",
+    "dsr1d.plugins.turbostat",
+    "dsr1d.plugins.rapl",
+    "dsr1d.plugins.thermal",
+    "dsr1d.plugins.procstat",
 )
 ENTRY_POINT_GROUP = "dsr1d"
 
