@@ -146,6 +146,11 @@ def parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="model tools: `dsr1d model synth --preset tiny DIR`")
     model.add_argument("model_args", nargs=argparse.REMAINDER,
                        help="synth --preset tiny|1.5b|7b [--seed N] [--dtype D] [--force] DIR")
+    simulate = sub.add_parser("simulate", help="the thermal plant simulator "
+                              "(`dsr1d simulate --help`)")
+    simulate.add_argument("sim_args", nargs=argparse.REMAINDER,
+                          help="[--seconds N] [--mitigate|--no-mitigate] [--csv FILE] "
+                               "[--fake-root DIR --realtime]")
     run = sub.add_parser("run", parents=[common], help="the daemon (systemd runs this)")
     run.add_argument("--config", help="configuration file (default /etc/dsr1d/dsr1d.conf)")
     run.add_argument("--bus-address", help="D-Bus address (default: the system bus, or "
@@ -158,6 +163,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["simulate"]:  # its own options; argparse's REMAINDER drops leading ones
+        from .sim import simulate_main
+
+        return simulate_main(argv[1:])
     args = parser().parse_args(argv)
     if args.command == "model":
         if args.model_args[:1] != ["synth"]:

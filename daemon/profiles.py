@@ -33,6 +33,11 @@ ENGINE_SCHEMA: Schema = {
 MITIGATION_SCHEMA: Schema = {
     "enabled": option(boolean, "mitigate thermal throttling automatically", "bool"),
     "target_temp_c": option(integer(40, 110), "package temperature to hold under", "°C"),
+    "ladder": option(word_list, "mitigation rungs in order (rapl_pl1 no_turbo epb_balance "
+                     "engine_threads); released in reverse", "names"),
+    "release_after_s": option(integer(1, 3600), "evidence clear this long before a rung is "
+                              "released (hysteresis)", "s"),
+    "release_margin_c": option(integer(1, 30), "and the package this far under the target", "°C"),
 }
 RESERVED_SCHEMAS = {"engine": ENGINE_SCHEMA, "mitigation": MITIGATION_SCHEMA}
 

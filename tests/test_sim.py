@@ -151,3 +151,36 @@ def test_simulate_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         simulate_main(["--realtime"])
     with pytest.raises(SystemExit):
         simulate_main(["--fake-root", str(root), "--mitigate"])
+
+
+def test_dsr1d_simulate_command_writes_a_csv(tmp_path):
+    """`dsr1d simulate` is wired into the admin CLI and writes one row per simulated second."""
+    from conftest import run_dsr1d
+
+    out = tmp_path / "run.csv"
+    proc = run_dsr1d("simulate", "--seconds", "150", "--csv", str(out))
+    assert proc.returncode == 0, proc.stderr
+    rows = out.read_text().splitlines()
+    assert len(rows) == 151            # header + 150 samples
+    assert "tok/s" in proc.stdout + proc.stderr
+
+
+def test_profile_mitigation_section_builds_a_controller_config(tmp_path):
+    """The [mitigation] keys a profile may set reach the controller's configuration."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from fakeroot import intel_box
+
+    from dsr1d.context import build_core
+    from dsr1d.mitigation import MitigationConfig
+
+    fake = intel_box(tmp_path / "root", cpus=1)
+    (fake.path / "etc/dsr1d/profiles").mkdir(parents=True)
+    (fake.path / "etc/dsr1d/profiles/cool.conf").write_text(
+        "[main]\ninclude = sustained\n[mitigation]\nladder = no_turbo, rapl_pl1\n"
+        "release_after_s = 60\nrelease_margin_c = 8\n")
+    section = build_core(fake.path).store.load("cool").sections["mitigation"]
+    config = MitigationConfig.from_section(section)
+    assert config.ladder == ("no_turbo", "rapl_pl1")
+    assert (config.release_after_s, config.release_margin_c, config.target_temp_c) == (60, 8, 90)
