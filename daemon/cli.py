@@ -303,8 +303,64 @@ async def cmd_generate(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_record(client: Client, args: argparse.Namespace) -> int:
+    from .plot import RecordWriter, flatten, progress_line
+
+    if not (args.seconds > 0 and 0 < args.interval < float("inf")):  # NaN fails too
+        print("dsr1ctl: record: --seconds and --interval must be positive", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        writer = RecordWriter(args.file)
+    except OSError as exc:
+        print(f"dsr1ctl: cannot write {args.file}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
+    tty = sys.stdout.isatty()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, stop.set)  # Ctrl-C ends the recording early, kept
+    start = time.monotonic()
+    try:
+        tick = 0
+        while not stop.is_set():
+            now = time.monotonic() - start
+            props, t = await client.properties(), await client.telemetry()
+            row = flatten(now, props, t)
+            writer.add(row)
+            if tty:
+                print(progress_line(row), flush=True)
+            tick += 1
+            if tick * args.interval > args.seconds + 1e-9:
+                break
+            delay = start + tick * args.interval - time.monotonic()
+            try:
+                await asyncio.wait_for(stop.wait(), max(0.0, delay))
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+        writer.close()
+    elapsed = float(writer.rows[-1]["time_s"]) if writer.rows else 0.0
+    print(f"{args.file}: {len(writer.rows)} samples over {elapsed:.1f} s"
+          + (" (stopped early)" if stop.is_set() else ""))
+    return 0
+
+
+async def cmd_plot(client: Client | None, args: argparse.Namespace) -> int:
+    from .plot import PlotError, plot_file
+
+    try:
+        tl = plot_file(args.file, args.out, args.title)
+    except PlotError as exc:
+        print(f"dsr1ctl: {exc}", file=sys.stderr)
+        return exc.exit_code
+    steps = len(tl.changes())
+    print(f"{args.out}: {len(tl.time)} samples ({tl.source}), {steps} mitigation change(s)")
+    return 0
+
+
 COMMANDS = {"status": cmd_status, "generate": cmd_generate, "list": cmd_list, "profile": cmd_profile,
-            "verify": cmd_verify, "hold": cmd_hold, "watch": cmd_watch}
+            "verify": cmd_verify, "hold": cmd_hold, "watch": cmd_watch, "record": cmd_record,
+            "plot": cmd_plot}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -334,10 +390,21 @@ def parser() -> argparse.ArgumentParser:
     watch = sub.add_parser("watch", help="live view of profile and telemetry")
     watch.add_argument("--interval", type=float, default=1.0, help="seconds between updates")
     watch.add_argument("--count", type=int, help="stop after this many updates")
+    record = sub.add_parser("record", help="sample telemetry and throttle state into a CSV")
+    record.add_argument("--seconds", type=float, required=True, help="how long to record")
+    record.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
+    record.add_argument("file", metavar="FILE")
+    plot = sub.add_parser("plot", help="draw a CSV of record or `dsr1d simulate --csv` as a "
+                                       "PNG timeline (needs no daemon)")
+    plot.add_argument("file", metavar="FILE")
+    plot.add_argument("out", metavar="OUT.png")
+    plot.add_argument("--title", help="instead of one made from the file")
     return top
 
 
 async def _main(args: argparse.Namespace) -> int:
+    if args.command == "plot":  # reads a file: no bus
+        return await cmd_plot(None, args)
     try:
         client = await Client.connect(args.bus_address)
     except (OSError, ValueError) as exc:

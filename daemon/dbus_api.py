@@ -189,6 +189,7 @@ class ManagerInterface(DispatchedInterface):
     def __init__(self, manager: Manager, methods: dict[str, Method]) -> None:
         super().__init__(MANAGER, methods)
         self.manager = manager
+        self.mitigator: Any = None  # set by the service when telemetry runs
 
     @dbus_property(access=PropertyAccess.READ)
     def ActiveProfile(self) -> "s":
@@ -208,11 +209,11 @@ class ManagerInterface(DispatchedInterface):
 
     @dbus_property(access=PropertyAccess.READ)
     def ThrottleState(self) -> "s":
-        return "none"
+        return self.mitigator.state if self.mitigator else "none"
 
     @dbus_property(access=PropertyAccess.READ)
     def Mitigations(self) -> "as":
-        return []
+        return self.mitigator.active if self.mitigator else []
 
     @dbus_property(access=PropertyAccess.READ)
     def Version(self) -> "s":
@@ -318,6 +319,13 @@ class ManagerService:
             Method("GetTelemetry", (), "a{sv}", False,
                    lambda caller: {k: to_variant(v) for k, v in self._telemetry().items()}),
         ]
+
+    def attach_mitigator(self, mitigator: Any) -> None:
+        """Expose throttle state and mitigations; emit ThrottleStateChanged."""
+        self.interface.mitigator = mitigator
+        mitigator.change_listeners.append(self.interface.emit_changed)
+        mitigator.state_listeners.append(
+            lambda state, evidence: self.interface.ThrottleStateChanged(state, _variants(evidence)))
 
     async def export(self) -> None:
         self.dispatcher.add(PATH, self.interface)

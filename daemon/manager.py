@@ -9,14 +9,14 @@ A hold belongs to the bus connection that made it and ends when that connection 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from .config import Config
 from .context import Core
 from .profiles import Profile, ProfileError, UnknownProfile
 from .tunable import TunableInfo
-from .tuning import ApplyFailed, Plan, Verification
+from .tuning import ApplyFailed, Plan, TuningError, Verification
 
 log = logging.getLogger("dsr1d")
 
@@ -56,6 +56,7 @@ class Manager:
         self.active: str | None = None
         self.holds: list[Hold] = []
         self.tunables: list[TunableInfo] = []
+        self.overlays: dict[str, dict[str, dict]] = {}
         self._next_cookie = 1
         self.profile_listeners: list[ProfileListener] = []
         self.change_listeners: list[ChangeListener] = []
@@ -166,7 +167,7 @@ class Manager:
         """Apply the active profile's per-CPU knobs to CPUs that came online."""
         if self.active is None:
             return None
-        plan = self.core.tuner.switch(self.profiles[self.active], cpus=cpus)
+        plan = self.core.tuner.switch(self._effective(self.profiles[self.active]), cpus=cpus)
         log.info("cpu %s online: re-applied %s (%d write(s))", ",".join(map(str, cpus)),
                  self.active, len(plan.writes), extra={"PROFILE": self.active})
         return plan
@@ -196,10 +197,38 @@ class Manager:
             errors.extend(broken)
         return dict(sorted(loaded.items()))
 
+    def set_overlay(self, name: str, sections: dict[str, dict] | None, reason: str) -> None:
+        """Lay ``sections`` over whatever profile is active (or lift overlay ``name``).
+
+        Overlays are how throttle mitigation acts: journaled and restored like any profile
+        write, kept across profile switches until lifted. ApplyFailed leaves them as before.
+        """
+        previous = dict(self.overlays)
+        if sections is None:
+            self.overlays.pop(name, None)
+        else:
+            self.overlays[name] = sections
+        if self.active is None:
+            return
+        try:
+            self._apply(self.profiles[self.active], reason, force=True)
+        except (ApplyFailed, TuningError):
+            self.overlays = previous
+            raise
+
+    def _effective(self, profile: Profile) -> Profile:
+        if not self.overlays:
+            return profile
+        sections = {name: dict(values) for name, values in profile.sections.items()}
+        for overlay in self.overlays.values():
+            for section, values in overlay.items():
+                sections.setdefault(section, {}).update(values)
+        return replace(profile, sections=sections)
+
     def _apply(self, profile: Profile, reason: str, force: bool = False) -> None:
         if profile.name == self.active and not force:
             return
-        plan = self.core.tuner.switch(profile)
+        plan = self.core.tuner.switch(self._effective(profile))
         old, self.active = self.active, profile.name
         log.info("profile %s applied (%s): %d write(s), %d unsupported, %d skipped", profile.name,
                  reason, len(plan.writes), len(plan.unsupported), len(plan.skips),

@@ -20,6 +20,8 @@ DEFAULT_PLUGINS = (
     "dsr1d.plugins.cstate",
     "dsr1d.plugins.prefetcher",
     "dsr1d.plugins.thp",
+    "dsr1d.plugins.powerlimit",
+    "dsr1d.plugins.turbo",
     "dsr1d.plugins.turbostat",
     "dsr1d.plugins.rapl",
     "dsr1d.plugins.thermal",

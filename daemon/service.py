@@ -23,11 +23,12 @@ from .context import build_core
 from .dbus_api import BUS_NAME, Dispatcher, EngineService, ManagerService, connect, neighbours
 from .engine_host import EngineHost, physical_cores
 from .manager import Manager
-from .plugin_manager import PluginError
+from .mitigator import Mitigator
 from .notify import notify, setup_logging, watchdog_interval_s
+from .plugin_manager import PluginError
 from .profiles import ProfileError, UnknownProfile
 from .state import JournalError
-from .telemetry import Sampler
+from .telemetry_sources import Sampler, collect_sources
 from .tuning import ApplyFailed, TuningError
 
 ENGINE_HOLDER = "dsr1d-engine"  # owner of the engine's hold (not a bus name: never "leaves")
@@ -49,7 +50,9 @@ class Daemon:
         self.bus_address = bus_address
         self.overrides = overrides
         self.stop_event = asyncio.Event()
-        self.sampler = Sampler()
+        self.sampler: Sampler | None = None
+        self.mitigator: Mitigator | None = None
+        self.latest: dict = {}
         self.manager: Manager | None = None
         self.engine: EngineHost | None = None
 
@@ -69,7 +72,9 @@ class Daemon:
         # start() below runs before the loop can dispatch any call.
         dispatcher = Dispatcher(bus)
         self.engine = self._make_engine(config, manager)
-        await ManagerService(dispatcher, manager, self.reload, self.telemetry).export()
+        self.sampler = Sampler(manager.core.root, collect_sources(manager.core.pm))
+        manager_service = ManagerService(dispatcher, manager, self.reload, self.telemetry)
+        await manager_service.export()
         EngineService(dispatcher, self.engine).export()
         if await bus.request_name(BUS_NAME, NameFlag.DO_NOT_QUEUE) != RequestNameReply.PRIMARY_OWNER:
             bus.disconnect()
@@ -84,6 +89,8 @@ class Daemon:
             return self._fail(f"cannot start: {exc}", 1)
         for name, meaning in (await neighbours(bus)).items():
             log.warning("%s on the bus: %s", name, meaning)
+        self.mitigator = self._make_mitigator(manager)
+        manager_service.attach_mitigator(self.mitigator)
         manager.change_listeners.append(lambda names: notify(STATUS=manager.status_line()))
         monitor = self._start_hotplug(manager)
         self._install_signals()
@@ -93,7 +100,10 @@ class Daemon:
             self.engine.dtype = engine_dtype(config, manager)
             await self.engine.start()
         watchdog = self._start_watchdog()
+        sampling = asyncio.get_running_loop().create_task(self._sample_loop(config))
         await self.stop_event.wait()
+        sampling.cancel()
+        self.sampler.stop()
         notify(STOPPING="1", STATUS="restoring every knob")
         if watchdog:
             watchdog.cancel()
@@ -132,12 +142,47 @@ class Daemon:
         return errors
 
     def telemetry(self) -> dict:
-        """GetTelemetry: the system sample plus the engine's own decode speed."""
+        """GetTelemetry: the latest sample (taken now if the sampler has not run yet)."""
+        return self.latest or self._take_sample()
+
+    def _take_sample(self) -> dict:
+        assert self.sampler is not None
         sample = self.sampler.sample()
         if self.engine is not None:
             sample["engine_tokens_per_s"] = self.engine.tokens_per_s
             sample["engine_state"] = self.engine.state
+        self.latest = sample
         return sample
+
+    async def _sample_loop(self, config: Config) -> None:
+        """Sample every ``telemetry_interval_s`` and let the mitigator act on it."""
+        while True:
+            sample = self._take_sample()
+            if self.mitigator is not None:
+                try:
+                    self.mitigator.on_sample(sample)
+                except Exception:  # mitigation must never take the control plane down
+                    log.exception("mitigation step failed")
+            await asyncio.sleep(config.telemetry_interval_s)
+
+    def _make_mitigator(self, manager: Manager) -> Mitigator:
+        engine = self.engine
+        mitigator = Mitigator(
+            manager,
+            set_threads=(lambda n: asyncio.get_running_loop().create_task(engine.set_threads(n)))
+            if engine else None,
+            threads=(lambda: engine.threads) if engine else None)
+
+        def configure(old: str = "", new: str = "", reason: str = "") -> None:
+            section = manager.profiles[manager.active].sections.get("mitigation", {})
+            try:
+                mitigator.configure(section)
+            except ValueError as exc:
+                log.error("[mitigation] of %s: %s", manager.active, exc)
+
+        configure()
+        manager.profile_listeners.append(configure)
+        return mitigator
 
     def _make_engine(self, config: Config, manager: Manager) -> EngineHost | None:
         """The engine worker's host, holding ``engine_profile`` while it generates."""

@@ -127,6 +127,25 @@ class FakeRoot:
     def pm_qos(self) -> int:
         return struct.unpack("<i", (self.path / "dev/cpu_dma_latency").read_bytes()[-4:])[0]
 
+    def add_procfs(self, load: float = 0.5) -> FakeRoot:
+        """/proc/stat, /proc/loadavg and /proc/meminfo as the kernel formats them."""
+        stat = "cpu  100 0 100 1000 0 0 0 0 0 0\n" + "".join(
+            f"cpu{n} 50 0 50 500 0 0 0 0 0 0\n" for n in self.cpus)
+        self.write("proc/stat", stat)
+        self.write("proc/loadavg", f"{load:.2f} {load:.2f} {load:.2f} 1/100 1234\n")
+        self.write("proc/meminfo", "MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n")
+        return self
+
+    def add_rapl(self, pl1_w: int = 205) -> FakeRoot:
+        """A RAPL package zone with its long-term limit (PL1)."""
+        base = "sys/class/powercap/intel-rapl:0"
+        self.write(f"{base}/name", "package-0\n")
+        self.write(f"{base}/constraint_0_name", "long_term\n")
+        self.write(f"{base}/constraint_0_power_limit_uw", f"{pl1_w * 1_000_000}\n")
+        self.write(f"{base}/energy_uj", "0\n")
+        self.write(f"{base}/max_energy_range_uj", "262143328850\n")
+        return self
+
     # -- memory ------------------------------------------------------------------------------
 
     def add_thp(self, enabled: str = "madvise", defrag: str = "madvise",
@@ -179,4 +198,6 @@ def intel_box(path: Path, cpus: int = 4) -> FakeRoot:
         fake.add_msr(n, 0x1B0, 6)
         fake.add_msr(n, 0xE2, 0x8)
     fake.add_cpuidle([("POLL", 0), ("C1", 2), ("C1E", 10), ("C6", 170)])
+    fake.add_rapl().write(f"{CPU}/intel_pstate/no_turbo", "0\n")
+    fake.add_procfs()
     return fake.add_pm_qos().add_thp()

@@ -1,0 +1,69 @@
+"""RAPL package power limit (``[rapl]``), the mitigation ladder's first rung.
+
+Capping PL1 (the long-term limit) at the power the package can sustain keeps it just under its
+thermal limit instead of letting it hit PROCHOT and saw between turbo and the floor. The knob is
+``/sys/class/powercap/intel-rapl:N/constraint_0_power_limit_uw`` (constraint 0 is
+``long_term``) of every package zone; writing it needs root.
+
+Example::
+
+    [rapl]
+    pl1_w = 180
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsr1d.hookspecs import hookimpl
+from dsr1d.knobs import FileKnob
+from dsr1d.schema import integer, option
+from dsr1d.sysroot import SysRoot
+from dsr1d.tunable import Action, Setting, Skip, Support
+
+POWERCAP = "sys/class/powercap"
+
+
+def _packages(root: SysRoot) -> list[str]:
+    """Package zones (``intel-rapl:0``, not sub-zones like ``intel-rapl:0:0``) with a PL1."""
+    zones = []
+    for zone in root.glob(f"{POWERCAP}/intel-rapl:*"):
+        if zone.count(":") == 1 and root.exists(f"{zone}/constraint_0_power_limit_uw"):
+            zones.append(zone)
+    return zones
+
+
+class PowerLimit:
+    name = "rapl"
+    summary = "RAPL package power limit PL1 (long term): hold power the package can sustain"
+    per_cpu = False
+    options = {
+        "pl1_w": option(integer(1, 2000), "long-term package power limit in watts", "W"),
+    }
+
+    def probe(self, root: SysRoot) -> Support:
+        zones = _packages(root)
+        if not zones:
+            return Support(False, f"no {root.display(POWERCAP)}/intel-rapl:N/"
+                           "constraint_0_power_limit_uw (no RAPL powercap driver)")
+        return Support(True, f"PL1 on {len(zones)} package(s)")
+
+    def read(self, root: SysRoot) -> dict[str, str]:
+        values = [int(root.read(f"{z}/constraint_0_power_limit_uw")) / 1e6 for z in _packages(root)]
+        return {"pl1_w": " ".join(f"{v:g}" for v in values) or "-"}
+
+    def apply(self, root: SysRoot, options: dict[str, Any],
+              cpus: list[int] | None = None) -> list[Action]:
+        if cpus is not None or "pl1_w" not in options:
+            return []
+        zones = _packages(root)
+        if not zones:
+            return [Skip(self.name, "pl1_w", self.probe(root).detail)]
+        microwatts = str(int(options["pl1_w"]) * 1_000_000)
+        return [Setting(self.name, FileKnob(f"{z}/constraint_0_power_limit_uw"), microwatts)
+                for z in zones]
+
+
+@hookimpl
+def register_tunables(register: Any) -> None:
+    register(PowerLimit())
