@@ -21,7 +21,7 @@ $(STAMP): setup.cfg pyproject.toml tools/apt-deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q $(TORCH)
-	$(VENV)/bin/pip install -q -e '.[engine,test]'
+	$(VENV)/bin/pip install -q -e '.[engine,test,plot]'
 	touch $@
 
 run: setup

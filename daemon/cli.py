@@ -88,15 +88,20 @@ def _mean(values: list[float]) -> str:
 
 
 def _telemetry_line(t: dict[str, Any]) -> str:
-    parts = [f"load {t.get('load_1m', 0):.2f}",
-             f"cpu {_mean(t.get('cpu_util_percent', []))}%"]
-    if "cpu_freq_mhz" in t:
-        parts.append(f"{_mean(t['cpu_freq_mhz'])} MHz")
-    for key, unit in (("package_temp_c", "°C"), ("package_power_w", "W"),
+    """What was measured, never a placeholder for what was not."""
+    parts = []
+    if "load_1m" in t:
+        parts.append(f"load {t['load_1m']:.2f}")
+    if t.get("cpu_util_percent"):
+        parts.append(f"cpu {_mean(t['cpu_util_percent'])}%")
+    mhz = t.get("busy_mhz") or (t.get("cpu_mhz") and sum(t["cpu_mhz"]) / len(t["cpu_mhz"]))
+    if mhz:
+        parts.append(f"{mhz:.0f} MHz")
+    for key, unit in (("pkg_temp_c", "°C"), ("pkg_power_w", "W"),
                       ("engine_tokens_per_s", "tok/s")):
         if key in t:
             parts.append(f"{t[key]:.1f} {unit}")
-    return ", ".join(parts)
+    return ", ".join(parts) or "nothing measured here"
 
 
 async def cmd_status(client: Client, args: argparse.Namespace) -> int:
