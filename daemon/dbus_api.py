@@ -114,9 +114,9 @@ def to_variant(value: Any) -> Variant:
         return Variant("s", dbus_string(value))
     if isinstance(value, dict):
         return Variant("a{sv}", {k: to_variant(v) for k, v in value.items()})
-    if isinstance(value, list) and all(isinstance(v, float) for v in value):
+    if isinstance(value, list) and value and all(isinstance(v, float) for v in value):
         return Variant("ad", value)
-    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+    if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
         return Variant("ax", value)
     return Variant("as", [str(v) for v in value])
 
@@ -442,7 +442,8 @@ class EngineService:
 
 
 def _variants(values: dict[str, Any]) -> dict[str, Variant]:
-    return {k: to_variant(v) for k, v in values.items()}
+    """a{sv} of plain values; what is unknown (None) is left out, not invented."""
+    return {k: to_variant(v) for k, v in values.items() if v is not None}
 
 
 # Other daemons that tune the same machine, by the bus name they own.

@@ -36,7 +36,8 @@ def to_sample(values: dict[str, Any], start: float) -> Sample:
 def overlay_for(action: Action) -> dict[str, dict] | None:
     """The profile sections a rung lays over the active profile (None: not a knob rung)."""
     if action.rung == "rapl_pl1":
-        return {"rapl": {"pl1_w": max(1, int(round(action.params["pl1_w"])))}}
+        # Within the [rapl] schema's range: a wild power reading must not become a wild knob.
+        return {"rapl": {"pl1_w": min(2000, max(1, int(round(action.params["pl1_w"]))))}}
     if action.rung == "no_turbo":
         return {"turbo": {"enabled": False}}
     if action.rung == "epb_balance":
