@@ -15,6 +15,7 @@ import signal
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 from dbus_fast import NameFlag, RequestNameReply
 
@@ -55,6 +56,7 @@ class Daemon:
         self.latest: dict = {}
         self.manager: Manager | None = None
         self.engine: EngineHost | None = None
+        self._sync_threads: Callable[[], None] = lambda: None
 
     async def run(self) -> int:
         try:
@@ -132,6 +134,7 @@ class Daemon:
         except (ApplyFailed, TuningError) as exc:
             log.error("reload could not re-apply %s: %s", self.manager.active, exc)
         if self.engine is not None:
+            self._sync_threads()
             dtype = engine_dtype(self.manager.config, self.manager)
             if dtype != self.engine.dtype:
                 log.info("engine dtype %s -> %s: restarting the engine", self.engine.dtype, dtype)
@@ -202,13 +205,17 @@ class Daemon:
             except Exception as exc:  # a failed hold must not stop generation
                 log.warning("engine hold of %s: %s", config.engine_profile, exc)
 
-        def profile_threads(old: str, new: str, reason: str) -> None:
+        def profile_threads(old: str = "", new: str = "", reason: str = "") -> None:
             # A profile's [engine] threads wins while it is active; 0 or unset means the
             # config's engine_threads (0 there: one per physical core).
-            wanted = manager.profiles[new].sections.get("engine", {}).get("threads") or \
-                config.engine_threads
+            if manager.active is None:
+                return
+            wanted = manager.profiles[manager.active].sections.get("engine", {}).get("threads") \
+                or config.engine_threads
             if (wanted or physical_cores()) != host.threads:
                 asyncio.get_running_loop().create_task(host.set_threads(wanted))
+
+        self._sync_threads = profile_threads
 
         host.busy_listeners.append(busy)
         manager.profile_listeners.append(profile_threads)
