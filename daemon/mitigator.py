@@ -68,7 +68,7 @@ class Mitigator:
         if self.controller is None:
             return []
         return [_describe(rung, self.controller.params.get(rung, {}))
-                for rung in self.controller.active]
+                for rung in self.controller.active if rung not in self.refused]
 
     def configure(self, section: dict[str, Any]) -> None:
         """(Re)build the controller from a profile's ``[mitigation]`` section."""

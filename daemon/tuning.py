@@ -16,7 +16,7 @@ from .knobs import holds, knob_from_key
 from .profiles import Profile
 from .state import Journal, JournalState, Original
 from .sysroot import KnobError, SysRoot
-from .tunable import Setting, Skip, Tunable, TunableInfo
+from .tunable import Setting, Skip, Support, Tunable, TunableInfo
 
 BeforeWrite = Callable[[str, str, str], None]
 
@@ -105,8 +105,13 @@ class Tuner:
         """Every tunable: supported here or not, why, and its current values."""
         infos = []
         for name, tunable in self.tunables.items():
-            support = tunable.probe(self.root)
-            current = tunable.read(self.root) if support.supported else {}
+            try:
+                support = tunable.probe(self.root)
+                current = tunable.read(self.root) if support.supported else {}
+            except OSError as exc:  # a knob that cannot even be read: say so, never crash
+                where = f" {exc.filename}" if exc.filename else ""
+                support = Support(False, f"unreadable{where}: {exc.strerror}")
+                current = {}
             infos.append(TunableInfo(name, tunable.summary, support, current))
         return infos
 

@@ -90,3 +90,23 @@ def test_throttling_is_detected_and_mitigated_then_restored(start_daemon, bus, c
     assert daemon.stop() == 0
     assert (sim_root / PL1).read_text().strip() == original_pl1
     assert not (sim_root / "run/dsr1d/state.json").exists()
+
+
+def test_a_refused_mitigation_write_is_logged_once_and_the_ladder_goes_on(
+        start_daemon, bus, client, sim_root, sim_config):
+    # PL1 that cannot be written (a directory where the file should be): rung 1 is refused.
+    (sim_root / PL1).unlink()
+    (sim_root / PL1).mkdir()
+    no_turbo = sim_root / "sys/devices/system/cpu/intel_pstate/no_turbo"
+    driver = PlantDriver(sim_root)
+    daemon = start_daemon(root=sim_root, config_path=sim_config, notify=False)
+    with driver:
+        eventually(lambda: no_turbo.read_text().strip() == "1", timeout=90,
+                   what="the next rung (turbo off) after the refused PL1 cap")
+        assert daemon.log().count("refused by the machine") == 1
+        mitigations = prop(bus, "Mitigations")
+        assert "no_turbo" in mitigations
+        assert not any(m.startswith("rapl_pl1") for m in mitigations)
+        assert daemon.running()
+    assert daemon.stop() == 0
+    assert no_turbo.read_text().strip() == "0"
