@@ -27,12 +27,12 @@ Sources keep the paths they discover at ``start()`` and re-discover only when a 
 from __future__ import annotations
 
 import errno as errno_mod
+import functools
 import logging
 import os
-import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import pluggy
 
@@ -263,29 +263,6 @@ def read_int(path: str) -> int:
     return int(read_attr(path))
 
 
-def msr_reader(root: SysRoot, cpu: int):  # -> Callable[[int], int]
-    """A function reading 64-bit registers of ``cpu``; the fake-root convention (a directory
-    of register files) or the device is decided once, as :meth:`SysRoot.read_msr` does."""
-    path = root.path(root.msr_path(cpu))
-    base = str(path)
-    if path.is_dir():
-        def read(reg: int) -> int:
-            fd = os.open(f"{base}/{reg:#x}", os.O_RDONLY)
-            try:
-                data = os.read(fd, 9)
-            finally:
-                os.close(fd)
-            if len(data) != 8:
-                raise OSError(errno_mod.EIO, f"short read of MSR {reg:#x}", base)
-            return struct.unpack("<Q", data)[0]
-    else:
-        def read(reg: int) -> int:
-            fd = os.open(base, os.O_RDONLY)
-            try:
-                data = os.pread(fd, 8, reg)
-            finally:
-                os.close(fd)
-            if len(data) != 8:
-                raise OSError(errno_mod.EIO, f"short read of MSR {reg:#x}", base)
-            return struct.unpack("<Q", data)[0]
-    return read
+def msr_reader(root: SysRoot, cpu: int) -> Callable[[int], int]:
+    """A function reading 64-bit registers of ``cpu`` (through :meth:`SysRoot.read_msr`)."""
+    return functools.partial(root.read_msr, cpu)
