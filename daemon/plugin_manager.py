@@ -70,20 +70,29 @@ def _enable_tracing(pm: pluggy.PluginManager) -> None:
     pm.add_hookcall_monitoring(before, after)
 
 
+def collect(pm: pluggy.PluginManager, hook: str, what: str,
+            required: tuple[str, ...]) -> dict[str, Any]:
+    """Call registration hook ``hook``; every object registered by name, once, with
+    ``required`` attributes, else PluginError (a broken plugin stops start-up with a reason)."""
+    found: dict[str, Any] = {}
+
+    def register(obj: Any) -> None:
+        name = getattr(obj, "name", None)
+        if not isinstance(name, str) or not name:
+            raise PluginError(f"{what} {obj!r} has no name")
+        if name in found:
+            raise PluginError(f"two plugins register a {what} named {name!r}")
+        for attr in required:
+            if not hasattr(obj, attr):
+                raise PluginError(f"{what} {name!r} lacks {attr!r}")
+        found[name] = obj
+
+    getattr(pm.hook, hook)(register=register)
+    return found
+
+
 def collect_tunables(pm: pluggy.PluginManager) -> dict[str, Tunable]:
     """Every registered tunable by name, sorted by name (the order they are applied in)."""
-    tunables: dict[str, Tunable] = {}
-
-    def register(tunable: Any) -> None:
-        name = getattr(tunable, "name", None)
-        if not isinstance(name, str) or not name:
-            raise PluginError(f"tunable {tunable!r} has no name")
-        if name in tunables:
-            raise PluginError(f"two plugins register a tunable named {name!r}")
-        for attr in ("summary", "options", "probe", "read", "apply"):
-            if not hasattr(tunable, attr):
-                raise PluginError(f"tunable {name!r} lacks {attr!r}")
-        tunables[name] = tunable
-
-    pm.hook.register_tunables(register=register)
+    tunables = collect(pm, "register_tunables", "tunable",
+                       ("summary", "options", "probe", "read", "apply"))
     return dict(sorted(tunables.items()))

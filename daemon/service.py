@@ -67,6 +67,7 @@ class Daemon:
         try:
             self.manager = manager = Manager(build_core(config.root, config.journal,
                                                         config.profiles_dir), config)
+            self.sampler = Sampler(manager.core.root, collect_sources(manager.core.pm))
         except PluginError as exc:
             bus.disconnect()
             return self._fail(f"configuration rejected: {exc}", EXIT_CONFIG)
@@ -74,7 +75,6 @@ class Daemon:
         # start() below runs before the loop can dispatch any call.
         dispatcher = Dispatcher(bus)
         self.engine = self._make_engine(config, manager)
-        self.sampler = Sampler(manager.core.root, collect_sources(manager.core.pm))
         manager_service = ManagerService(dispatcher, manager, self.reload, self.telemetry)
         await manager_service.export()
         EngineService(dispatcher, self.engine).export()

@@ -69,20 +69,9 @@ class TelemetrySource(Protocol):
 
 def collect_sources(pm: pluggy.PluginManager) -> dict[str, Any]:
     """Every registered telemetry source by name, in merge order (priority, then name)."""
-    sources: dict[str, Any] = {}
+    from .plugin_manager import collect
 
-    def register(source: Any) -> None:
-        name = getattr(source, "name", None)
-        if not isinstance(name, str) or not name:
-            raise SourceError(f"telemetry source {source!r} has no name")
-        if name in sources:
-            raise SourceError(f"two plugins register a telemetry source named {name!r}")
-        for attr in ("probe", "read"):
-            if not callable(getattr(source, attr, None)):
-                raise SourceError(f"telemetry source {name!r} lacks {attr!r}")
-        sources[name] = source
-
-    pm.hook.register_telemetry_sources(register=register)
+    sources = collect(pm, "register_telemetry_sources", "telemetry source", ("probe", "read"))
     return dict(sorted(sources.items(), key=lambda kv: (priority(kv[1]), kv[0])))
 
 

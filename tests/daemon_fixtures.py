@@ -418,6 +418,18 @@ class BusClient:
         self.loop.close()
 
 
+# Lets nobody through the bus policy, so that the daemon's own check is what answers.
+LAX_POLICY = """\
+<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Configuration 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig>
+  <policy user="nobody">
+    <allow send_destination="org.dsr1d"/>
+  </policy>
+</busconfig>
+"""
+
+
 # -- fixtures ----------------------------------------------------------------------------------
 
 @pytest.fixture

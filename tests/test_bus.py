@@ -14,7 +14,7 @@ import sys
 import pytest
 
 pytest.register_assert_rewrite("daemon_fixtures")
-from daemon_fixtures import (BUILTINS, BUS_NAME, DBUS_ACCESS_DENIED, DBUS_INVALID_ARGS, EPB, EPP,
+from daemon_fixtures import (BUILTINS, LAX_POLICY, BUS_NAME, DBUS_ACCESS_DENIED, DBUS_INVALID_ARGS, EPB, EPP,
                              ERROR, MANAGER, PATH, SUSTAINED_EPB, active, busctl, dbus_send,
                              error_of, eventually, journal, knobs, manager_call, manager_data,
                              name_gone, prop,
@@ -124,15 +124,6 @@ def test_mutating_methods_are_denied_to_nobody(daemon, bus, fake, client):
     assert "reload" not in daemon.log().lower()
 
 
-LAX_POLICY = """\
-<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Configuration 1.0//EN"
- "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <policy user="nobody">
-    <allow send_destination="org.dsr1d"/>
-  </policy>
-</busconfig>
-"""
 
 
 @pytest.mark.parametrize("extra_policy", [LAX_POLICY], ids=["lax-policy"])

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import pytest
 
 pytest.register_assert_rewrite("daemon_fixtures", "engine_fixtures")
-from daemon_fixtures import (BUS_NAME, DBUS_ACCESS_DENIED, DBUS_INVALID_ARGS, ERROR,  # noqa: E402
+from daemon_fixtures import (BUS_NAME, LAX_POLICY, DBUS_ACCESS_DENIED, DBUS_INVALID_ARGS, ERROR,  # noqa: E402
                              POLICY, BusClient, busctl, dsr1ctl, error_of, eventually, prop, run)
 from engine_fixtures import (ENGINE, ENGINE_PATH, EngineDaemon,  # noqa: E402
                              engine_daemon_running)
@@ -358,16 +358,6 @@ def test_engine_killed_mid_generation(served, root):
 
 # -- no model configured -------------------------------------------------------------------------
 
-# Lets nobody through the bus policy, so that the daemon's own check is what answers.
-LAX_POLICY = """\
-<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Configuration 1.0//EN"
- "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <policy user="nobody">
-    <allow send_destination="org.dsr1d"/>
-  </policy>
-</busconfig>
-"""
 
 
 def test_without_a_model_the_engine_is_unavailable(tmp_path):

@@ -29,7 +29,8 @@ from dsr1d.plugins.thermal import CpufreqMhz, Hwmon, MsrThermStatus, ThermalZone
     ThrottleCounters
 from dsr1d.plugins.turbostat import SHOW, Turbostat, TurbostatParser, parse_turbostat
 from dsr1d.sysroot import SysRoot
-from dsr1d.telemetry_sources import Sampler, SourceError, Unavailable, collect_sources
+from dsr1d.plugin_manager import PluginError
+from dsr1d.telemetry_sources import Sampler, Unavailable, collect_sources
 from dsr1d.tunable import Support
 from fakeroot import FakeRoot
 
@@ -639,12 +640,12 @@ def test_a_fallback_is_not_read_while_a_preferred_source_gives_its_keys(tmp_path
 def test_collect_sources_rejects_bad_sources() -> None:
     pm = make_manager()
     pm.register(_Registers(_Fixed("procstat", {})))
-    with pytest.raises(SourceError, match="two plugins register a telemetry source named "
+    with pytest.raises(PluginError, match="two plugins register a telemetry source named "
                                           "'procstat'"):
         collect_sources(pm)
     pm = make_manager()
     pm.register(_Registers(object()))
-    with pytest.raises(SourceError, match="has no name"):
+    with pytest.raises(PluginError, match="has no name"):
         collect_sources(pm)
 
 
