@@ -5,6 +5,10 @@ STAMP := $(VENV)/.stamp-setup
 PREFIX ?= /usr
 # A CPU build of torch, installed before the package (an open range would pull a CUDA build).
 TORCH ?= torch==2.13.0
+# llama-cpp-python, built from source for this CPU's instruction set by tools/llama-wheel.sh
+# (cached per CPU kind in /var/cache/dsr1d-build, so later set-ups take seconds).
+LLAMA_CPP_PYTHON ?= 0.3.36
+LLAMA := llama-cpp-python==$(LLAMA_CPP_PYTHON)
 # ENGINE=no installs the daemon without the inference engine's dependencies.
 ENGINE ?= yes
 DESTDIR ?=
@@ -16,12 +20,13 @@ UNITDIR ?= /lib/systemd/system
 
 setup: $(STAMP)
 
-$(STAMP): setup.cfg pyproject.toml tools/apt-deps.sh
+$(STAMP): setup.cfg pyproject.toml tools/apt-deps.sh tools/llama-wheel.sh
 	tools/apt-deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q $(TORCH)
-	$(VENV)/bin/pip install -q -e '.[engine,test,plot]'
+	wheels=$$(LLAMA_CPP_PYTHON=$(LLAMA_CPP_PYTHON) tools/llama-wheel.sh $(VENV)/bin/python) && \
+	  $(VENV)/bin/pip install -q --find-links "$$wheels" '$(LLAMA)' -e '.[engine,test,plot]'
 	touch $@
 
 run: setup
@@ -38,8 +43,9 @@ clean:
 # $(PREFIX)/bin, the unit, config, built-in profiles, D-Bus and polkit policy.
 install:
 	install -d $(DESTDIR)$(LIBDIR) $(DESTDIR)$(PREFIX)/bin $(DESTDIR)/etc/dsr1d/profiles
+	$(if $(filter yes,$(ENGINE)),wheels=$$(LLAMA_CPP_PYTHON=$(LLAMA_CPP_PYTHON) tools/llama-wheel.sh $(PYTHON)) && ,)\
 	$(PYTHON) -m pip install -q --no-warn-script-location --upgrade --target $(DESTDIR)$(LIBDIR) \
-	  $(if $(filter yes,$(ENGINE)),$(TORCH) '.[engine]',.)
+	  $(if $(filter yes,$(ENGINE)),--find-links "$$wheels" $(TORCH) '$(LLAMA)' '.[engine]',.)
 	for cmd in dsr1d:admin dsr1ctl:cli; do \
 	  printf '#!/usr/bin/python3\nimport sys\nsys.path.insert(0, "%s")\nfrom dsr1d.%s import main\nsys.exit(main())\n' \
 	    "$(LIBDIR)" "$${cmd#*:}" > $(DESTDIR)$(PREFIX)/bin/$${cmd%%:*}; \

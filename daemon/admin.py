@@ -17,7 +17,7 @@ from .context import Core, build_core
 from .plugin_manager import PluginError
 from .profiles import ProfileError, UnknownProfile
 from .state import JournalError
-from .sysroot import KnobError
+from .sysroot import KnobError, SysRoot
 from .table import render
 from .tuning import ApplyFailed, Plan, TuningError
 
@@ -31,7 +31,27 @@ def cmd_probe(core: Core, args: argparse.Namespace) -> int:
         rows.append((info.name, "yes" if info.support.supported else "no", current,
                      info.support.detail))
     print(render(("TUNABLE", "SUPPORTED", "CURRENT", "DETAIL"), rows))
+    print()
+    print(engine_line(core.root))
     return 0
+
+
+def engine_line(root: SysRoot) -> str:
+    """The engine backends installed here, what the llama.cpp build uses on this CPU, and where
+    a plan would put the decode threads."""
+    from .engine import llama_backend
+    from .placement import describe, plan, read_topology
+
+    placement = describe(plan(read_topology(root), None, 0))
+    if not llama_backend.installed():
+        return f"engine: torch only (llama-cpp-python is not installed)\nplacement: {placement}"
+    try:
+        import llama_cpp
+
+        build = f"llama.cpp {llama_cpp.__version__}: {llama_backend.system_info()}"
+    except (ImportError, OSError) as exc:  # a wheel built for another CPU, a missing library
+        build = f"llama-cpp-python is installed but does not load: {exc}"
+    return f"engine: {build}\nplacement: {placement}"
 
 
 def cmd_list(core: Core, args: argparse.Namespace) -> int:
@@ -143,9 +163,11 @@ def parser() -> argparse.ArgumentParser:
     apply.add_argument("profile")
     apply.add_argument("--dry-run", action="store_true", help="show the plan, write nothing")
     sub.add_parser("verify", parents=[common], help="compare every knob with the active profile")
-    model = sub.add_parser("model", help="model tools: `dsr1d model synth --preset tiny DIR`")
+    model = sub.add_parser("model", help="model tools: `dsr1d model synth --preset tiny DIR`, "
+                           "`dsr1d model convert SRC_DIR OUT.gguf --dtype int4`")
     model.add_argument("model_args", nargs=argparse.REMAINDER,
-                       help="synth --preset tiny|1.5b|7b [--seed N] [--dtype D] [--force] DIR")
+                       help="synth --preset tiny|1.5b|7b [--seed N] [--dtype D] [--gguf DTYPE] "
+                            "[--force] DIR | convert SRC_DIR OUT.gguf [--dtype bf16|int8|int4]")
     simulate = sub.add_parser("simulate", help="the thermal plant simulator "
                               "(`dsr1d simulate --help`)")
     simulate.add_argument("sim_args", nargs=argparse.REMAINDER,
@@ -170,12 +192,18 @@ def main(argv: list[str] | None = None) -> int:
         return simulate_main(argv[1:])
     args = parser().parse_args(argv)
     if args.command == "model":
-        if args.model_args[:1] != ["synth"]:
-            print("dsr1d: usage: dsr1d model synth --preset tiny|1.5b|7b DIR", file=sys.stderr)
-            return EXIT_USAGE
-        from .engine.synth import synth_main
+        tool = args.model_args[:1]
+        if tool == ["synth"]:
+            from .engine.synth import synth_main
 
-        return synth_main(args.model_args[1:])
+            return synth_main(args.model_args[1:])
+        if tool == ["convert"]:
+            from .engine.gguf_convert import convert_main
+
+            return convert_main(args.model_args[1:])
+        print("dsr1d: usage: dsr1d model synth --preset tiny|1.5b|7b DIR | "
+              "dsr1d model convert SRC_DIR OUT.gguf --dtype bf16|int8|int4", file=sys.stderr)
+        return EXIT_USAGE
     if args.command == "run":
         from .service import main as run_daemon
 

@@ -303,7 +303,8 @@ async def cmd_generate(client: Client, args: argparse.Namespace) -> int:
     print(f"-- {stats['new_tokens']} tokens ({stats['prompt_tokens']} prompt), first token "
           f"{stats['first_token_latency_s'] * 1000:.0f} ms, {stats['decode_tokens_per_s']:.2f} "
           f"tokens/s decode, reasoning {stats['reasoning_chars']} chars, answer "
-          f"{stats['answer_chars']} chars, {stats['dtype']}, {stats['threads']} threads, "
+          f"{stats['answer_chars']} chars, {stats['dtype']} on {stats.get('backend', 'torch')}, "
+          f"{stats['threads']} threads, "
           f"stop: {stats['finish_reason']}", file=sys.stderr)
     return 0
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .profiles import ProfileError, parse_ini, section_line
-from .schema import Schema, choice, integer, option, word_list
+from .engine.backend import BACKENDS
+from .schema import Schema, boolean, choice, integer, option, word_list
 from .sysroot import parse_cpu_list
 
 DEFAULT_PATH = Path("/etc/dsr1d/dsr1d.conf")
@@ -55,8 +56,16 @@ DAEMON_SCHEMA: Schema = {
     "root": option(_absolute, "hardware root (/ on a real machine)", "path"),
     "journal": option(_absolute, "journal path (default <root>/run/dsr1d/state.json)", "path"),
     "profiles_dir": option(_absolute, "user profiles (default <root>/etc/dsr1d/profiles)", "path"),
-    "model": option(_absolute, "local Hugging Face model directory the engine serves "
-                    "(unset: no engine)", "path"),
+    "model": option(_absolute, "the model the engine serves: a .gguf file or a local Hugging "
+                    "Face directory (unset: no engine)", "path"),
+    "engine_backend": option(choice(*BACKENDS), "auto (llama.cpp where installed), llamacpp or "
+                             "torch", "name"),
+    "engine_cache_dir": option(_absolute, "where Hugging Face directories are converted to GGUF "
+                               "for llama.cpp, once", "path"),
+    "engine_context": option(integer(0, 1 << 20), "llama.cpp context in tokens (0: the model's, "
+                             "at most 16384)", "tokens"),
+    "engine_mmap": option(boolean, "llama.cpp maps the file instead of reading the weights into "
+                          "anonymous memory with huge pages (no: faster decode)", "bool"),
     "engine_dtype": option(choice("auto", "bf16", "fp32", "int8", "int4"),
                            "weight precision (auto: bf16 on CPUs with native bf16, else fp32)",
                            "name"),
@@ -80,6 +89,10 @@ class Config:
     profiles_dir: str | None = None
     model: str | None = None
     engine_dtype: str = "auto"
+    engine_backend: str = "auto"
+    engine_cache_dir: str = "/var/cache/dsr1d"
+    engine_context: int = 0
+    engine_mmap: bool = False
     engine_threads: int = 0
     engine_cpus: list[int] | None = None
     engine_profile: str = "sustained"

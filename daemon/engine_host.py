@@ -19,6 +19,9 @@ from typing import Any, Callable
 
 import psutil
 
+from .placement import Placement, describe, plan, read_topology
+from .sysroot import SysRoot
+
 log = logging.getLogger("dsr1d")
 
 PING_INTERVAL_S = 10.0
@@ -74,6 +77,17 @@ def _call(listener: Callable[..., None], *args: Any) -> None:
         log.exception("engine event listener failed")
 
 
+def worker_environment() -> dict[str, str]:
+    """The worker's environment: glibc madvises its large allocations for huge pages, so
+    llama.cpp's weights (read into anonymous memory, not mapped) get THP in ``madvise`` mode."""
+    env = dict(os.environ)
+    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
+    if not any(t.startswith("glibc.malloc.hugetlb=") for t in tunables):
+        tunables.append("glibc.malloc.hugetlb=1")
+    env["GLIBC_TUNABLES"] = ":".join(tunables)
+    return env
+
+
 def physical_cores() -> int:
     """One decode thread per physical core (hyperthreads do not help decode)."""
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
@@ -97,9 +111,16 @@ class EngineHost:
     """Runs and supervises one engine worker."""
 
     def __init__(self, model: Path, dtype: str = "auto", threads: int = 0,
-                 cpus: list[int] | None = None, python: str = sys.executable) -> None:
+                 cpus: list[int] | None = None, python: str = sys.executable,
+                 backend: str = "auto", cache_dir: Path = Path("/var/cache/dsr1d"),
+                 context: int = 0, mmap: bool = False, root: str = "/") -> None:
         self.model = model
         self.dtype = dtype
+        self.backend = backend
+        self.cache_dir = cache_dir
+        self.context = context
+        self.mmap = mmap
+        self.root = root
         self.threads = threads or physical_cores()
         self.cpus = cpus
         self.python = python
@@ -144,21 +165,35 @@ class EngineHost:
     async def _spawn(self) -> None:
         parent, child = socket.socketpair()
         self._set_state("loading")
+        placement = self._placement()
+        args = ["--fd", str(child.fileno()), "--model", str(self.model), "--dtype", self.dtype,
+                "--threads", str(placement.threads), "--backend", self.backend,
+                "--cache-dir", str(self.cache_dir), "--context", str(self.context)]
+        if self.mmap:
+            args.append("--mmap")
+        if placement.mem_bind_nodes:
+            args += ["--mem-nodes", ",".join(map(str, placement.mem_bind_nodes))]
         self._proc = await asyncio.create_subprocess_exec(
-            self.python, "-m", "dsr1d.engine.worker", "--fd", str(child.fileno()),
-            "--model", str(self.model), "--dtype", self.dtype, "--threads", str(self.threads),
+            self.python, "-m", "dsr1d.engine.worker", *args, env=worker_environment(),
             pass_fds=(child.fileno(),), stdin=asyncio.subprocess.DEVNULL)
         child.close()
-        if self.cpus:
-            try:
-                os.sched_setaffinity(self._proc.pid, self.cpus)
-            except OSError as exc:
-                log.warning("cannot pin the engine to CPUs %s: %s", self.cpus, exc.strerror)
+        self.threads = placement.threads
+        try:
+            if placement.cpus:
+                os.sched_setaffinity(self._proc.pid, placement.cpus)
+        except OSError as exc:
+            log.warning("cannot pin the engine to CPUs %s: %s", placement.cpus, exc.strerror)
         reader, self._writer = await asyncio.open_unix_connection(sock=parent)
         self._last_pong = asyncio.get_running_loop().time()
         self._spawn_task(self._read(reader, self._proc))
-        log.info("engine worker %d started: %s, dtype %s, %d thread(s)", self._proc.pid,
-                 self.model, self.dtype, self.threads)
+        log.info("engine worker %d started: %s, backend %s, dtype %s; %s", self._proc.pid,
+                 self.model, self.backend, self.dtype, describe(placement))
+
+    def _placement(self) -> Placement:
+        """One thread per physical core of one NUMA node, within engine_cpus."""
+        topology = read_topology(SysRoot(self.root))
+        affinity = sorted(os.sched_getaffinity(0))
+        return plan(topology, self.cpus, self.threads, affinity)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -223,11 +258,18 @@ class EngineHost:
         elif kind == "loading":
             log.info("engine loading %s: %.1f/%.1f GB", event["file"], event["done"] / 1e9,
                      event["total"] / 1e9)
+        elif kind == "converting":
+            self.info["converting"] = f"{event['done']}/{event['total']}"
+            log.info("engine converting to GGUF: %s/%s %s", event["done"], event["total"],
+                     event["file"])
+        elif kind == "log":
+            log.info("engine: %s", event["message"])
         elif kind == "ready":
             self.info = {k: v for k, v in event.items() if k != "ev"}
             self._restarts = 0
-            log.info("engine ready: %s as %s (%s), %d thread(s)", event["model"], event["dtype"],
-                     event["dtype_reason"], event["threads"])
+            log.info("engine ready: %s as %s (%s) on %s (%s), %d thread(s)", event["model"],
+                     event["dtype"], event["dtype_reason"], event.get("backend", "?"),
+                     event.get("backend_reason", ""), event["threads"])
             self._set_state("ready")
             self._changed(["Model", "Threads"])
         elif kind == "token":

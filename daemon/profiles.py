@@ -29,6 +29,8 @@ ENGINE_SCHEMA: Schema = {
     "threads": option(integer(0, 4096), "decode threads (0 = one per physical core)", "count"),
     "dtype": option(choice("auto", "bf16", "fp32", "int8", "int4"),
                     "weight precision (auto = bf16 where the CPU has native bf16)", "name"),
+    "backend": option(choice("auto", "llamacpp", "torch"),
+                      "auto (llama.cpp where installed), llamacpp or torch", "name"),
 }
 MITIGATION_SCHEMA: Schema = {
     "enabled": option(boolean, "mitigate thermal throttling automatically", "bool"),

@@ -99,7 +99,8 @@ class Daemon:
         notify(READY="1", STATUS=manager.status_line())
         log.info("ready: %s", manager.status_line(), extra={"PROFILE": manager.active})
         if self.engine is not None:
-            self.engine.dtype = engine_dtype(config, manager)
+            self.engine.dtype = engine_setting(config, manager, "dtype")
+            self.engine.backend = engine_setting(config, manager, "backend")
             await self.engine.start()
         watchdog = self._start_watchdog()
         sampling = asyncio.get_running_loop().create_task(self._sample_loop(config))
@@ -135,10 +136,15 @@ class Daemon:
             log.error("reload could not re-apply %s: %s", self.manager.active, exc)
         if self.engine is not None:
             self._sync_threads()
-            dtype = engine_dtype(self.manager.config, self.manager)
-            if dtype != self.engine.dtype:
-                log.info("engine dtype %s -> %s: restarting the engine", self.engine.dtype, dtype)
-                self.engine.dtype = dtype
+            restart = False
+            for key in ("dtype", "backend"):
+                old, new = getattr(self.engine, key), engine_setting(self.manager.config,
+                                                                     self.manager, key)
+                if new != old:
+                    log.info("engine %s %s -> %s: restarting the engine", key, old, new)
+                    setattr(self.engine, key, new)
+                    restart = True
+            if restart:
                 await self.engine.stop()
                 await self.engine.start()
         notify(READY="1", STATUS=self.manager.status_line())
@@ -192,7 +198,9 @@ class Daemon:
         if not config.model:
             return None
         host = EngineHost(Path(config.model), config.engine_dtype, config.engine_threads,
-                          config.engine_cpus)
+                          config.engine_cpus, backend=config.engine_backend,
+                          cache_dir=Path(config.engine_cache_dir), context=config.engine_context,
+                          mmap=config.engine_mmap, root=config.root)
         cookie: list[int] = []
 
         def busy(now_busy: bool) -> None:
@@ -256,13 +264,15 @@ class Daemon:
         return asyncio.get_running_loop().create_task(ping())
 
 
-def engine_dtype(config: Config, manager: Manager) -> str:
-    """The engine's dtype: the config's ``engine_dtype`` unless it is ``auto``, else the default
-    profile's ``[engine] dtype``, else ``auto``. Read at engine start and on reload."""
-    if config.engine_dtype != "auto":
-        return config.engine_dtype
+def engine_setting(config: Config, manager: Manager, key: str) -> str:
+    """The engine's ``dtype`` or ``backend``: the config's ``engine_<key>`` unless it is ``auto``,
+    else the default profile's ``[engine] <key>``, else ``auto``. Read at engine start and on
+    reload (a change restarts the engine)."""
+    value = getattr(config, f"engine_{key}")
+    if value != "auto":
+        return value
     profile = manager.profiles.get(config.default_profile)
-    return profile.sections.get("engine", {}).get("dtype", "auto") if profile else "auto"
+    return profile.sections.get("engine", {}).get(key, "auto") if profile else "auto"
 
 
 def main(config: str | None, bus_address: str | None, root: str | None, journal: str | None,

@@ -27,12 +27,19 @@ import pytest  # noqa: E402
 
 from daemon_fixtures import (BUS_NAME, POLICY, BusClient, Daemon, busctl,  # noqa: E402
                              eventually)
+import asyncio  # noqa: E402
+from concurrent.futures import Future  # noqa: E402
+
+import psutil  # noqa: E402
+from dbus_fast import Message, Variant  # noqa: E402
 from fakeroot import FakeRoot, intel_box  # noqa: E402
 from harness.privbus import PrivateBus  # noqa: E402
 
 ENGINE_PATH, ENGINE = "/org/dsr1d/engine", "org.dsr1d.Engine1"
 TOOLS = ("dbus-daemon", "busctl", "dbus-send", "setpriv")
 ENGINE_READY_TIMEOUT = 60.0   # torch + transformers import and the load, in a fresh process
+ENGINE_SIGNALS = f"type='signal',sender='{BUS_NAME}',path='{ENGINE_PATH}'"
+JOB_TIMEOUT = 30.0
 
 _RUNNING: list[Daemon] = []
 
@@ -82,6 +89,95 @@ def forced_token_model(src: Path, dst: Path, token: int) -> Path:
     return dst
 
 
+def tiny_llama(out: Path, head_std: float | None = None, **config: Any) -> Path:
+    """A tiny LlamaForCausalLM (the R1-Distill-Llama architecture) with the synthetic tokenizer,
+    template and generation config; ``config`` overrides LlamaConfig keys, ``head_std``
+    re-draws lm_head (init std 0.02 gives near-uniform logits)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dsr1d.engine import synth
+
+    synth.synthesize("tiny", out)
+    for weights in out.glob("model*.safetensors*"):
+        weights.unlink()
+    ids = synth.special_ids()
+    settings = dict(vocab_size=synth.tokenizer_size() + 32, hidden_size=64,
+                    intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=2048,
+                    bos_token_id=ids[synth.BOS], eos_token_id=ids[synth.EOS],
+                    tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**settings, **config}))
+    if head_std is not None:
+        with torch.no_grad():
+            model.lm_head.weight.normal_(0.0, head_std)
+    model.save_pretrained(out)
+    return out
+
+
+# -- talking to the engine over the bus -----------------------------------------------------------
+
+def options(**values: Any) -> dict[str, Variant]:
+    """Generation options as D-Bus variants, typed as dsr1ctl sends them."""
+    out = {}
+    for key, value in values.items():
+        sig = ("b" if isinstance(value, bool) else "u" if isinstance(value, int)
+               else "d" if isinstance(value, float) else "s")
+        out[key] = Variant(sig, value)
+    return out
+
+
+def engine(client: BusClient, member: str, signature: str = "", *body: Any) -> Message:
+    return client.call(member, signature, *body, interface=ENGINE, path=ENGINE_PATH)
+
+
+def engine_async(client: BusClient, member: str, signature: str, *body: Any) -> Future:
+    """Start a call without waiting for its reply (a concurrent.futures.Future of it)."""
+    msg = Message(destination=BUS_NAME, path=ENGINE_PATH, interface=ENGINE, member=member,
+                  signature=signature, body=list(body))
+    return asyncio.run_coroutine_threadsafe(client.bus.call(msg), client.loop)
+
+
+def reply_of(future: Future, what: str, timeout: float = JOB_TIMEOUT) -> Message:
+    eventually(future.done, timeout=timeout, what=what)
+    return future.result()
+
+
+def plain(stats: dict[str, Variant]) -> dict[str, Any]:
+    return {k: v.value for k, v in stats.items()}
+
+
+def job_signals(client: BusClient, job: int, member: str) -> list[Message]:
+    return [m for m in client.received(member, ENGINE) if m.body[0] == job]
+
+
+def finished(client: BusClient, job: int, timeout: float = JOB_TIMEOUT) -> dict[str, Any]:
+    (msg,) = eventually(lambda: job_signals(client, job, "Finished"), timeout=timeout,
+                        what=f"Finished for job {job}")
+    return plain(msg.body[1])
+
+
+def first_token(client: BusClient, job: int | None = None) -> Message:
+    tokens = lambda: [m for m in client.received("Token", ENGINE)  # noqa: E731
+                      if job is None or m.body[0] == job]
+    return eventually(tokens, timeout=JOB_TIMEOUT, what="a Token signal")[0]
+
+
+def worker_of(served: EngineDaemon) -> psutil.Process:
+    """The daemon's engine worker process (``python -m dsr1d.engine.worker``)."""
+    def find() -> psutil.Process | None:
+        for child in psutil.Process(served.daemon.pid).children(recursive=True):
+            try:
+                if "dsr1d.engine.worker" in child.cmdline():
+                    return child
+            except psutil.NoSuchProcess:
+                continue
+        return None
+
+    return eventually(find, timeout=10, what="the engine worker process")
+
+
 # -- the daemon serving it -----------------------------------------------------------------------
 
 @dataclass
@@ -120,12 +216,15 @@ class EngineDaemon:
         self.daemon.cleanup()
 
 
-def daemon_config(path: Path, model: Path | None) -> Path:
-    """``sustained`` at start; with a model: fp32, 2 threads, ``throughput`` while generating."""
+def daemon_config(path: Path, model: Path | None, backend: str = "torch") -> Path:
+    """``sustained`` at start; with a model: the torch backend in fp32 (or ``backend``), 2
+    threads, ``throughput`` while generating, conversions cached beside the config."""
     lines = ["[daemon]", "default_profile = sustained", "telemetry_interval_s = 1.0"]
     if model is not None:
-        lines += [f"model = {model}", "engine_dtype = fp32", "engine_threads = 2",
-                  "engine_profile = throughput"]
+        dtype = "fp32" if backend == "torch" else "auto"
+        lines += [f"model = {model}", f"engine_dtype = {dtype}", "engine_threads = 2",
+                  "engine_profile = throughput", f"engine_backend = {backend}",
+                  f"engine_cache_dir = {path.parent / 'cache'}"]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -137,14 +236,15 @@ def needs_bus() -> None:
 
 @contextmanager
 def engine_daemon_running(workdir: Path, model: Path | None,
-                          policies: tuple[Path, ...] = (POLICY,)) -> Iterator[EngineDaemon]:
+                          policies: tuple[Path, ...] = (POLICY,),
+                          backend: str = "torch") -> Iterator[EngineDaemon]:
     """A daemon on its own private bus, answering on entry (``ActiveProfile`` reads), stopped on
     exit; the engine may still be loading (``wait_state("ready")``). ``model=None``: no engine
     configured."""
     needs_bus()
     pytest.importorskip("dbus_fast")
     fake = intel_box(workdir / "root")
-    config = daemon_config(workdir / "dsr1d.conf", model)
+    config = daemon_config(workdir / "dsr1d.conf", model, backend)
     with PrivateBus(policies) as bus:
         # No notify socket: the daemon sends STATUS= on every profile change, and a test socket
         # that nobody reads fills up (max_dgram_qlen) and then blocks the daemon in sd_notify.

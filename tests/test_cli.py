@@ -47,8 +47,9 @@ def select_value(root: FakeRoot, rel: str) -> str:
 
 
 def table(stdout: str) -> dict[str, list[str]]:
-    """Rows of a ``render`` table by first column (columns are two or more spaces apart)."""
-    lines = stdout.splitlines()
+    """Rows of a ``render`` table by first column (columns are two or more spaces apart); the
+    table ends at the first blank line."""
+    lines = stdout.split("\n\n")[0].splitlines()
     return {cells[0]: cells for cells in (re.split(r"\s{2,}", line.strip()) for line in lines[1:])}
 
 
@@ -91,6 +92,13 @@ def test_probe_intel(fake: FakeRoot) -> None:
     assert rows["thp"][2] == "enabled=madvise defrag=madvise khugepaged_defrag=1"
     assert rows["cstate"][3] == ("PM QoS via /dev/cpu_dma_latency; 4 idle states (POLL, C1, C1E, "
                                  "C6), governor menu; package C-state limit via MSR 0xE2")
+
+
+def test_probe_says_what_the_llama_cpp_build_uses_and_where_threads_go(fake: FakeRoot) -> None:
+    lines = dsr1d(fake, "probe", check=True).stdout.split("\n\n")[1].splitlines()
+    assert lines[0].startswith("engine: llama.cpp 0.3.") and "AVX" in lines[0], lines
+    # the fake box: 4 CPUs without SMT lists, all within this process's affinity or not
+    assert lines[1].startswith("placement: "), lines
 
 
 def test_probe_bare_amd_says_why_not(bare: FakeRoot) -> None:

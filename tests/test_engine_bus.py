@@ -9,12 +9,10 @@ worker runs last. Nothing sleeps for a fixed time: every wait polls with a deadl
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
 import signal
-from concurrent.futures import Future
 from typing import Any, Iterator
 
 import pytest
@@ -22,79 +20,18 @@ import pytest
 pytest.register_assert_rewrite("daemon_fixtures", "engine_fixtures")
 from daemon_fixtures import (BUS_NAME, LAX_POLICY, DBUS_ACCESS_DENIED, DBUS_INVALID_ARGS, ERROR,  # noqa: E402
                              POLICY, BusClient, busctl, dsr1ctl, error_of, eventually, prop, run)
-from engine_fixtures import (ENGINE, ENGINE_PATH, EngineDaemon,  # noqa: E402
-                             engine_daemon_running)
+from engine_fixtures import (ENGINE, ENGINE_PATH, ENGINE_SIGNALS, JOB_TIMEOUT,  # noqa: E402
+                             EngineDaemon, engine, engine_async, engine_daemon_running, finished,
+                             first_token, job_signals, options, plain, reply_of, worker_of)
 
 pytest_plugins = ["engine_fixtures"]
 
 dbus_fast = pytest.importorskip("dbus_fast")
 psutil = pytest.importorskip("psutil")
-from dbus_fast import Message, MessageType, Variant  # noqa: E402
+from dbus_fast import MessageType, Variant  # noqa: E402
 
 PROMPT = "Why is the sky blue?"
-ENGINE_SIGNALS = f"type='signal',sender='{BUS_NAME}',path='{ENGINE_PATH}'"
 LONG = 4000       # new tokens of a "long" job: seconds of decoding, within the 4096 context
-JOB_TIMEOUT = 30.0
-
-
-def options(**values: Any) -> dict[str, Variant]:
-    """Generation options as D-Bus variants, typed as dsr1ctl sends them."""
-    out = {}
-    for key, value in values.items():
-        sig = ("b" if isinstance(value, bool) else "u" if isinstance(value, int)
-               else "d" if isinstance(value, float) else "s")
-        out[key] = Variant(sig, value)
-    return out
-
-
-def engine(client: BusClient, member: str, signature: str = "", *body: Any) -> Message:
-    return client.call(member, signature, *body, interface=ENGINE, path=ENGINE_PATH)
-
-
-def engine_async(client: BusClient, member: str, signature: str, *body: Any) -> Future:
-    """Start a call without waiting for its reply (a concurrent.futures.Future of it)."""
-    msg = Message(destination=BUS_NAME, path=ENGINE_PATH, interface=ENGINE, member=member,
-                  signature=signature, body=list(body))
-    return asyncio.run_coroutine_threadsafe(client.bus.call(msg), client.loop)
-
-
-def reply_of(future: Future, what: str, timeout: float = JOB_TIMEOUT) -> Message:
-    eventually(future.done, timeout=timeout, what=what)
-    return future.result()
-
-
-def plain(stats: dict[str, Variant]) -> dict[str, Any]:
-    return {k: v.value for k, v in stats.items()}
-
-
-def job_signals(client: BusClient, job: int, member: str) -> list[Message]:
-    return [m for m in client.received(member, ENGINE) if m.body[0] == job]
-
-
-def finished(client: BusClient, job: int, timeout: float = JOB_TIMEOUT) -> dict[str, Any]:
-    (msg,) = eventually(lambda: job_signals(client, job, "Finished"), timeout=timeout,
-                        what=f"Finished for job {job}")
-    return plain(msg.body[1])
-
-
-def first_token(client: BusClient, job: int | None = None) -> Message:
-    tokens = lambda: [m for m in client.received("Token", ENGINE)  # noqa: E731
-                      if job is None or m.body[0] == job]
-    return eventually(tokens, timeout=JOB_TIMEOUT, what="a Token signal")[0]
-
-
-def worker_of(served: EngineDaemon) -> psutil.Process:
-    """The daemon's engine worker process (``python -m dsr1d.engine.worker``)."""
-    def find() -> psutil.Process | None:
-        for child in psutil.Process(served.daemon.pid).children(recursive=True):
-            try:
-                if "dsr1d.engine.worker" in child.cmdline():
-                    return child
-            except psutil.NoSuchProcess:
-                continue
-        return None
-
-    return eventually(find, timeout=10, what="the engine worker process")
 
 
 def holds(served: EngineDaemon) -> list[list[Any]]:
@@ -310,8 +247,8 @@ def test_dsr1ctl_generate_prints_the_text_and_the_stats(served, reference):
     assert proc.stdout == "[reasoning]\n" + "".join(pieces) + "\n"
     (stats_line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("-- ")]
     assert re.fullmatch(rf"-- 10 tokens \({prompt_tokens} prompt\), first token \d+ ms, "
-                        r"[\d.]+ tokens/s decode, reasoning \d+ chars, answer 0 chars, fp32, "
-                        r"2 threads, stop: length", stats_line), stats_line
+                        r"[\d.]+ tokens/s decode, reasoning \d+ chars, answer 0 chars, "
+                        r"fp32 on torch, 2 threads, stop: length", stats_line), stats_line
 
 
 # -- a crash of the engine -----------------------------------------------------------------------

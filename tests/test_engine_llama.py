@@ -15,27 +15,14 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 
-from dsr1d.engine import synth  # noqa: E402
 from dsr1d.engine.generate import Generator  # noqa: E402
 from dsr1d.engine.model import load  # noqa: E402
+from engine_fixtures import tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("r1-llama-tiny")
-    synth.synthesize("tiny", out)               # tokenizer, template, generation config
-    for weights in out.glob("model*.safetensors*"):
-        weights.unlink()
-    ids = synth.special_ids()
-    config = LlamaConfig(vocab_size=synth.tokenizer_size() + 32, hidden_size=64,
-                         intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=2048,
-                         bos_token_id=ids[synth.BOS], eos_token_id=ids[synth.EOS],
-                         tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
+    out = tiny_llama(tmp_path_factory.mktemp("r1-llama-tiny"))
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     return out
 

@@ -42,6 +42,8 @@ cat > "$WORK/dsr1d.conf" <<CONF
 default_profile = sustained
 model = $PWD/$MODEL
 engine_profile = throughput
+# backend auto: llama.cpp, with the directory converted to GGUF once into this cache
+engine_cache_dir = $PWD/models/cache
 CONF
 
 THP=/sys/kernel/mm/transparent_hugepage/enabled

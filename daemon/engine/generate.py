@@ -5,32 +5,15 @@ reasoning/answer split)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from .model import Loaded
-from .textstream import IncrementalDecoder, ThinkSplitter
+from .request import DEFAULTS, InvalidRequest, OnText, Result, check_budget, decode_stats
+from .textstream import IncrementalDecoder, ThinkSplitter, emit
 
-# DeepSeek's guidance for R1: temperature 0.6, top-p 0.95, no system prompt.
-DEFAULTS = {"max_new_tokens": 512, "temperature": 0.6, "top_p": 0.95, "greedy": False,
-            "seed": -1, "ignore_eos": False}
-
-
-class InvalidRequest(Exception):
-    """The request cannot be served as asked (too long, bad option)."""
-
-
-@dataclass
-class Result:
-    text: str
-    reasoning: str
-    answer: str
-    stats: dict[str, Any] = field(default_factory=dict)
-
-
-OnText = Callable[[str], None]
+__all__ = ["DEFAULTS", "Generator", "InvalidRequest", "Result"]
 
 
 class Generator:
@@ -58,11 +41,7 @@ class Generator:
                  threads: Callable[[], int | None] = lambda: None) -> Result:
         opts = {**DEFAULTS, **options}
         ids = self.encode(prompt)
-        budget = len(ids) + int(opts["max_new_tokens"])
-        if budget > self.loaded.context:
-            raise InvalidRequest(f"the prompt is {len(ids)} tokens; with max_new_tokens "
-                                 f"{opts['max_new_tokens']} that exceeds the model's context of "
-                                 f"{self.loaded.context} tokens")
+        check_budget(len(ids), int(opts["max_new_tokens"]), self.loaded.context)
         sampler = _Sampler(opts, self.vocab)
         decoder = IncrementalDecoder(lambda t: self.tokenizer.decode(t, skip_special_tokens=False))
         splitter = ThinkSplitter()
@@ -82,7 +61,7 @@ class Generator:
                     reason = "eos"
                     break
                 new.append(token)
-                self._emit(decoder.push(token), splitter, on_text)
+                emit(decoder.push(token), splitter, on_text)
                 if len(new) >= opts["max_new_tokens"]:
                     break
                 if cancelled():
@@ -91,20 +70,16 @@ class Generator:
                 self._set_threads(threads())
                 token = sampler(self._step(torch.tensor([[token]]), cache))
             end = time.perf_counter()
-        self._emit(decoder.flush(), splitter, on_text, final=True)
+        emit(decoder.flush(), splitter, on_text, final=True)
         text = self.tokenizer.decode(new, skip_special_tokens=True)
-        decode_tokens = max(len(new) - 1, 0)
         stats = {
-            "prompt_tokens": len(ids),
-            "new_tokens": len(new),
-            "first_token_latency_s": first - start,
-            "decode_tokens_per_s": decode_tokens / (end - first) if end > first and decode_tokens else 0.0,
-            "total_s": end - start,
+            **decode_stats(len(ids), len(new), start, first, end),
             "reasoning_chars": len(splitter.reasoning_text),
             "answer_chars": len(splitter.answer_text),
             "finish_reason": reason,
             "dtype": self.loaded.dtype,
             "threads": torch.get_num_threads(),
+            "backend": "torch",
         }
         return Result(text, splitter.reasoning_text, splitter.answer_text, stats)
 
@@ -116,16 +91,6 @@ class Generator:
     def _set_threads(self, wanted: int | None) -> None:
         if wanted and wanted != torch.get_num_threads():
             torch.set_num_threads(wanted)
-
-    @staticmethod
-    def _emit(text: str, splitter: ThinkSplitter, on_text: OnText | None,
-              final: bool = False) -> None:
-        """Stream the raw text (``</think>`` included, so clients can split it too)."""
-        splitter.feed(text)
-        if final:
-            splitter.finish()
-        if text and on_text:
-            on_text(text)
 
 
 class _Sampler:

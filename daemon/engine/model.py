@@ -11,19 +11,17 @@ from typing import Callable
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import psutil  # noqa: E402
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
+
+from . import memory  # noqa: E402
+from .errors import ModelError  # noqa: E402,F401  (re-exported)
 
 SUPPORTED = {"Qwen2ForCausalLM": "R1-Distill-Qwen", "LlamaForCausalLM": "R1-Distill-Llama"}
 DTYPES = ("auto", "bf16", "fp32", "int8", "int4")
 BYTES_PER_PARAM = {"bf16": 2.0, "fp32": 4.0, "int8": 1.0 + 0.02, "int4": 0.5 + 0.13}
 MEMORY_HEADROOM = 0.9
 Progress = Callable[[int, int, str], None]
-
-
-class ModelError(Exception):
-    """The model directory cannot be served; the message says why and what to do."""
 
 
 @dataclass
@@ -91,7 +89,7 @@ def inspect_dir(path: Path) -> tuple[dict, list[Path], int]:
 
 def check_memory(parameters: int, dtype: str) -> None:
     """Refuse before loading when the weights would not fit in available memory."""
-    available = psutil.virtual_memory().available
+    available, where = memory.available()
     peak = _peak_bytes(parameters, dtype)
     if peak <= available * MEMORY_HEADROOM:
         return
@@ -99,7 +97,7 @@ def check_memory(parameters: int, dtype: str) -> None:
             if d != dtype and _peak_bytes(parameters, d) <= available * MEMORY_HEADROOM]
     advice = f"try dtype={' or '.join(fits)}" if fits else "use a smaller model"
     raise ModelError(f"the model needs about {peak / 1e9:.1f} GB to load as {dtype} but only "
-                     f"{available / 1e9:.1f} GB is available; {advice}")
+                     f"{available / 1e9:.1f} GB is {where}; {advice}")
 
 
 def _peak_bytes(parameters: int, dtype: str) -> float:

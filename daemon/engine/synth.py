@@ -35,6 +35,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from .errors import ModelError
+
 Progress = Callable[[int, int, str], None]
 
 CORPUS = Path(__file__).with_name("corpus.txt")
@@ -383,11 +385,12 @@ def weight_bytes(preset: str, dtype: str = "bfloat16") -> int:
 
 
 def _stale_outputs(out_dir: Path) -> list[Path]:
-    """Weight files of an earlier model here: a left-over index or shard would corrupt this one."""
+    """Weight files of an earlier model here: a left-over index or shard would corrupt this one,
+    and a left-over GGUF would no longer match it."""
     if not out_dir.is_dir():
         return []
-    return sorted(p for p in out_dir.iterdir()
-                  if p.is_file() and p.name.startswith("model") and ".safetensors" in p.name)
+    return sorted(p for p in out_dir.iterdir() if p.is_file() and p.name.startswith("model")
+                  and (".safetensors" in p.name or p.suffix == ".gguf"))
 
 
 def _check_space(out_dir: Path, need: int, reclaimable: int) -> None:
@@ -470,6 +473,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
     p.add_argument("--dtype", default="bfloat16", choices=[*DTYPES, *DTYPE_ALIASES],
                    help="weights dtype (default bfloat16)")
+    p.add_argument("--gguf", action="append", default=[], metavar="DTYPE",
+                   choices=("bf16", "fp32", "int8", "int4"),
+                   help="also write DIR/model-DTYPE.gguf for llama.cpp (repeatable)")
     p.add_argument("--force", action="store_true", help="write into a non-empty DIR")
     p.add_argument("dir", metavar="DIR", type=Path, help="output directory")
     return p
@@ -488,7 +494,8 @@ def synth_main(argv: list[str] | None = None) -> int:
         progress = _cli_progress(config) if args.preset != "tiny" else None
         start = time.monotonic()
         synthesize(args.preset, out, seed=args.seed, dtype=args.dtype, progress=progress)
-    except (SynthError, OSError) as exc:
+        ggufs = [write_gguf(out, dtype) for dtype in args.gguf]
+    except (SynthError, ModelError, OSError) as exc:
         print(f"dsr1d model synth: error: {exc}", file=sys.stderr)
         return 1
     params = parameter_count(config)
@@ -498,7 +505,16 @@ def synth_main(argv: list[str] | None = None) -> int:
           f"seed {args.seed}): {params:,} parameters, {_gb(size)} {config['torch_dtype']} in "
           f"{shards} file{'s' if shards > 1 else ''}, tokenizer {tokenizer_size()} tokens, "
           f"{time.monotonic() - start:.1f} s")
+    for path in ggufs:
+        print(f"{path}: {_gb(path.stat().st_size)} GGUF for llama.cpp")
     return 0
+
+
+def write_gguf(model_dir: Path, dtype: str) -> Path:
+    """``model_dir/model-<dtype>.gguf``: the synthetic model converted for llama.cpp."""
+    from .gguf_convert import convert
+
+    return convert(model_dir, model_dir / f"model-{dtype}.gguf", dtype)
 
 
 if __name__ == "__main__":

@@ -104,3 +104,14 @@ def _partial_suffix(text: str, tag: str) -> int:
         if text.endswith(tag[:length]):
             return length
     return 0
+
+
+def emit(text: str, splitter: ThinkSplitter, on_text: Callable[[str], None] | None,
+         final: bool = False) -> None:
+    """Feed the splitter and stream the raw text (``</think>`` included, so clients can split
+    it too)."""
+    splitter.feed(text)
+    if final:
+        splitter.finish()
+    if text and on_text:
+        on_text(text)

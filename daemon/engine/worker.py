@@ -1,14 +1,19 @@
 """The engine worker process: loads the model and serves generation jobs over a socket.
 
-Run by the daemon as ``python -m dsr1d.engine.worker --fd N --model DIR --dtype D --threads T``.
-The protocol is JSON lines on the inherited socket ``N``.
+Run by the daemon as ``python -m dsr1d.engine.worker --fd N --model PATH --dtype D --threads T
+--backend auto|llamacpp|torch [--cache-dir DIR] [--context N] [--mmap] [--mem-nodes 0]``: a ``.gguf``
+file or a Hugging Face directory, served by llama.cpp (an HF directory converted once into the
+cache) or by torch (``dsr1d.engine.backend`` has the rules). The protocol is JSON lines on the
+inherited socket ``N``, the same for both backends.
 
 Daemon -> worker: ``{"op": "generate", "job": 1, "prompt": "…", "options": {…}}``,
 ``{"op": "cancel", "job": 1}``, ``{"op": "threads", "n": 2}``, ``{"op": "ping"}``.
 
 Worker -> daemon: ``{"ev": "loading", "done": b, "total": b, "file": "…"}``,
+``{"ev": "converting", "done": n, "total": n, "file": "…"}``, ``{"ev": "log", "message": "…"}``,
 ``{"ev": "ready", "model": "…", "dtype": "…", "dtype_reason": "…", "threads": n,
-"parameters": n, "context": n}``, ``{"ev": "token", "job": 1, "piece": "…"}`` (raw text,
+"parameters": n, "context": n, "backend": "…", "backend_reason": "…"}`` (llama.cpp adds
+``gguf``, ``system_info`` and ``weights``), ``{"ev": "token", "job": 1, "piece": "…"}`` (raw text,
 ``</think>`` included), ``{"ev": "finished", "job": 1, "text": "…", "reasoning": "…", "answer": "…",
 "stats": {…}}``, ``{"ev": "error", "job": 1|null, "name": "…", "message": "…"}``,
 ``{"ev": "pong"}``. A fatal load error is an ``error`` with ``job`` null, then exit 2.
@@ -23,9 +28,12 @@ import queue
 import socket
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
-# Before torch is imported: 2 MiB+ allocations (the weights) get madvise(MADV_HUGEPAGE).
+# Before torch is imported: 2 MiB+ allocations (the weights) get madvise(MADV_HUGEPAGE). For
+# llama.cpp's buffers glibc does the same (GLIBC_TUNABLES=glibc.malloc.hugetlb=1, which must be in
+# the environment when the process starts: EngineHost sets it).
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
@@ -70,7 +78,7 @@ class Worker:
         self.jobs.put(None)  # the daemon went away: finish
 
     def serve(self, generator: Any) -> None:
-        from .generate import InvalidRequest
+        from .request import InvalidRequest
 
         while (job := self.jobs.get()) is not None:
             job_id = int(job["job"])
@@ -93,36 +101,96 @@ class Worker:
                               reasoning=result.reasoning, answer=result.answer, stats=result.stats)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsr1d-engine")
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
+    parser.add_argument("--backend", default="auto", choices=("auto", "llamacpp", "torch"))
+    parser.add_argument("--cache-dir", default="/var/cache/dsr1d")
+    parser.add_argument("--context", type=int, default=0, help="llama.cpp context (0: default)")
+    parser.add_argument("--mmap", action="store_true",
+                        help="llama.cpp: map the file instead of reading it into anonymous memory")
+    parser.add_argument("--mem-nodes", default="", help="NUMA nodes to bind memory to (e.g. 0)")
+    return parser
+
+
+def _load_torch(args: argparse.Namespace, channel: Channel, reason: str) -> tuple[Any, dict]:
+    import torch
+
+    from .generate import Generator
+    from .model import load
+
+    torch.set_num_threads(max(1, args.threads))
+    loaded = load(Path(args.model), args.dtype,
+                  lambda done, total, name: channel.send(ev="loading", done=done, total=total,
+                                                         file=name))
+    return Generator(loaded), {
+        "model": loaded.name, "dtype": loaded.dtype, "dtype_reason": loaded.dtype_reason,
+        "threads": torch.get_num_threads(), "parameters": loaded.parameters,
+        "context": loaded.context, "backend": "torch", "backend_reason": reason}
+
+
+def _load_llama(args: argparse.Namespace, channel: Channel, choice: Any) -> tuple[Any, dict]:
+    from . import llama_backend
+    from .backend import gguf_dtype
+
+    path = Path(args.model)
+    dtype_reason = "the GGUF file's precision"
+    if choice.convert:
+        from .gguf_cache import cached_gguf
+        from .gguf_convert import convert
+
+        dtype = gguf_dtype(args.dtype)
+        dtype_reason = "requested" if args.dtype != "auto" else \
+            "auto: the checkpoint's bf16 (llama.cpp computes it at memory speed on AVX2 too)"
+        path = cached_gguf(path, dtype, Path(args.cache_dir), convert,
+                           lambda done, total, name: channel.send(ev="converting", done=done,
+                                                                  total=total, file=name),
+                           lambda message: channel.send(ev="log", message=message))
+    elif args.dtype != "auto":
+        dtype_reason = f"the GGUF file's precision (engine_dtype {args.dtype} applies to " \
+                       f"Hugging Face directories only)"
+    channel.send(ev="log", message=f"llama.cpp: {llama_backend.system_info()}")
+    generator = llama_backend.load(path, max(1, args.threads), args.context, args.mmap)
+    info = generator.info
+    return generator, {
+        "model": info.name, "dtype": info.file_type, "dtype_reason": dtype_reason,
+        "threads": generator.threads, "parameters": info.parameters,
+        "context": generator.context, "backend": "llamacpp", "backend_reason": choice.reason,
+        "gguf": str(path), "system_info": llama_backend.system_info(),
+        "weights": "file mmap" if args.mmap else "anonymous memory"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     channel = Channel(socket.socket(fileno=args.fd))
     worker = Worker(channel, args.threads)
     threading.Thread(target=worker.read_commands, daemon=True).start()
 
-    import torch
+    from . import llama_backend
+    from .backend import choose
+    from .errors import ModelError
 
-    from pathlib import Path
+    if args.mem_nodes:
+        from ..placement import bind_memory
 
-    from .generate import Generator
-    from .model import ModelError, load
-
-    torch.set_num_threads(max(1, args.threads))
+        problem = bind_memory([int(n) for n in args.mem_nodes.split(",")])
+        if problem:
+            channel.send(ev="log", message=f"memory not bound to node(s) {args.mem_nodes}: "
+                                           f"{problem}")
     try:
-        loaded = load(Path(args.model), args.dtype,
-                      lambda done, total, name: channel.send(ev="loading", done=done,
-                                                             total=total, file=name))
+        choice = choose(args.backend, Path(args.model), llama_backend.installed())
+        if choice.backend == "torch":
+            generator, ready = _load_torch(args, channel, choice.reason)
+        else:
+            generator, ready = _load_llama(args, channel, choice)
     except ModelError as exc:
         channel.send(ev="error", job=None, name="ModelError", message=str(exc))
         return 2
-    channel.send(ev="ready", model=loaded.name, dtype=loaded.dtype,
-                 dtype_reason=loaded.dtype_reason, threads=torch.get_num_threads(),
-                 parameters=loaded.parameters, context=loaded.context)
-    worker.serve(Generator(loaded))
+    channel.send(ev="ready", **ready)
+    worker.serve(generator)
     return 0
 
 

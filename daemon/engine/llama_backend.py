@@ -1,0 +1,274 @@
+"""The llama.cpp backend: a GGUF file served through llama-cpp-python (no torch).
+
+Same contract as the torch ``Generator``: ``generate(prompt, options, on_text, cancelled,
+threads) -> Result``, the R1 chat template taken from the file, the ``<think>`` split, the same
+sampling (temperature, then top-p over what is left, then a seeded draw; greedy), the same
+statistics. The decode loop is ours, on llama.cpp's public C API, so that the thread count can
+change between tokens, cancel is checked after every token, and a shared prompt prefix (a
+multi-turn conversation) reuses the KV cache instead of being computed again.
+
+Long native calls (loading, prefill) release the GIL: the worker's command thread keeps answering
+health pings meanwhile.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import ModelError
+from .gguf_file import GGUFInfo
+from .request import DEFAULTS, OnText, Result, check_budget, decode_stats
+from .textstream import IncrementalDecoder, ThinkSplitter, emit
+
+DEFAULT_CONTEXT = 16384
+MEMORY_HEADROOM = 0.9
+# When a file carries no chat template: DeepSeek-R1's, reduced to one user turn.
+R1_FALLBACK = "{bos}<｜User｜>{prompt}<｜Assistant｜><think>\n"
+
+
+def installed() -> bool:
+    """Whether llama-cpp-python can be imported here (without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def system_info() -> str:
+    """What the llama.cpp build uses on this CPU (``AVX2 = 1 | AVX512 = 0 | …``)."""
+    import llama_cpp
+
+    return llama_cpp.llama_print_system_info().decode(errors="replace").strip()
+
+
+# ggml.h's enum ggml_log_level (llama-cpp-python's own table of it is out of date).
+LOG_WARN, LOG_ERROR = 3, 4
+
+
+def _quiet_logs(llama_cpp: Any) -> None:
+    """llama.cpp logs every tensor to stderr at load; keep warnings and errors only."""
+    @llama_cpp.llama_log_callback
+    def log(level: int, text: bytes, _user: Any) -> None:
+        if level in (LOG_WARN, LOG_ERROR):
+            sys.stderr.write(text.decode(errors="replace"))
+
+    _quiet_logs.callback = log  # type: ignore[attr-defined]  # keep it alive for C
+    llama_cpp.llama_log_set(log, ctypes.c_void_p(0))
+
+
+class LlamaGenerator:
+    """Generates from one GGUF model, one request at a time."""
+
+    def __init__(self, info: GGUFInfo, threads: int, context: int = 0,
+                 use_mmap: bool = False) -> None:
+        import llama_cpp
+        from llama_cpp import Llama
+
+        if not info.has_vocab:
+            raise ModelError(f"{info.path} has no vocabulary (a shapes-only file): it cannot "
+                             f"turn text into tokens")
+        self.lib = llama_cpp
+        self.info = info
+        self.context = effective_context(info, context)
+        _quiet_logs(llama_cpp)
+        try:
+            self.llm = Llama(model_path=str(info.path), n_ctx=self.context, n_batch=512,
+                             n_threads=threads, n_threads_batch=threads, use_mmap=use_mmap,
+                             verbose=False)
+        except (ValueError, RuntimeError) as exc:
+            raise ModelError(f"llama.cpp cannot load {info.path}: {exc}") from None
+        self.threads = threads
+        self.vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self._pieces: dict[tuple[int, bool], bytes] = {}
+        self._buffer = ctypes.create_string_buffer(256)
+        self.unused = [t for t in range(self.n_vocab) if llama_cpp.llama_vocab_get_attr(
+            self.vocab, t) & llama_cpp.LLAMA_TOKEN_ATTR_UNUSED]
+        self.template = _compile(info.chat_template)
+        bos = info.bos_id
+        self.bos_text = self.piece(bos, True).decode(errors="replace") if bos is not None else ""
+
+    # -- text <-> tokens ---------------------------------------------------------------------
+
+    def encode(self, prompt: str) -> list[int]:
+        """The prompt in the model's chat template, ending with the generation prompt."""
+        if self.template is None:
+            text = R1_FALLBACK.format(bos=self.bos_text, prompt=prompt)
+        else:
+            text = self.template.render(messages=[{"role": "user", "content": prompt}],
+                                        add_generation_prompt=True, bos_token=self.bos_text)
+        return self.tokenize(text)
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text``, special tokens parsed, no BOS added (templates carry it)."""
+        return self.llm.tokenize(text.encode(), add_bos=False, special=True)
+
+    def piece(self, token: int, special: bool) -> bytes:
+        """The bytes of one token (special tokens rendered only when ``special``)."""
+        key = (token, special)
+        if key not in self._pieces:
+            buf = self._buffer
+            n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+            if n < 0:  # the buffer was too small: -n is what it needs
+                buf = ctypes.create_string_buffer(-n)
+                n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+            self._pieces[key] = buf.raw[:n]
+        return self._pieces[key]
+
+    def detokenize(self, tokens: list[int], special: bool = True) -> str:
+        return b"".join(self.piece(t, special) for t in tokens).decode(errors="replace")
+
+    # -- generation --------------------------------------------------------------------------
+
+    def generate(self, prompt: str, options: dict[str, Any], on_text: OnText | None = None,
+                 cancelled: Callable[[], bool] = lambda: False,
+                 threads: Callable[[], int | None] = lambda: None) -> Result:
+        opts = {**DEFAULTS, **options}
+        ids = self.encode(prompt)
+        max_new = int(opts["max_new_tokens"])
+        check_budget(len(ids), max_new, self.context)
+        decoder = IncrementalDecoder(self.detokenize)
+        splitter = ThinkSplitter()
+        new: list[int] = []
+        reason = "length"
+        self._set_threads(threads())
+        sampler = self._sampler(opts)
+        try:
+            start = time.perf_counter()
+            self._prefill(ids)
+            token = self._sample(sampler)
+            first = time.perf_counter()
+            while True:
+                if self.lib.llama_vocab_is_eog(self.vocab, token) and not opts["ignore_eos"]:
+                    reason = "eos"
+                    break
+                new.append(token)
+                emit(decoder.push(token), splitter, on_text)
+                if len(new) >= max_new:
+                    break
+                if cancelled():
+                    reason = "cancelled"
+                    break
+                self._set_threads(threads())
+                self.llm.eval([token])
+                token = self._sample(sampler)
+            end = time.perf_counter()
+        finally:
+            self.lib.llama_sampler_free(sampler)
+        emit(decoder.flush(), splitter, on_text, final=True)
+        stats = {
+            **decode_stats(len(ids), len(new), start, first, end),
+            "reasoning_chars": len(splitter.reasoning_text),
+            "answer_chars": len(splitter.answer_text),
+            "finish_reason": reason,
+            "dtype": self.info.file_type,
+            "threads": self.threads,
+            "backend": "llamacpp",
+        }
+        return Result(self.detokenize(new, special=False), splitter.reasoning_text,
+                      splitter.answer_text, stats)
+
+    def logits(self, ids: list[int]) -> list[list[float]]:
+        """Logits after each of ``ids`` (for numerical checks against the torch reference)."""
+        import numpy as np
+
+        out = []
+        self.llm.n_tokens = 0
+        for token in ids:
+            self.llm.eval([token])
+            row = self.lib.llama_get_logits_ith(self.llm.ctx, -1)
+            out.append(np.ctypeslib.as_array(row, shape=(self.n_vocab,)).tolist())
+        self.llm.n_tokens = 0  # the next prompt is evaluated from the start
+        return out
+
+    def _prefill(self, ids: list[int]) -> None:
+        """Evaluate the prompt, reusing the KV cache for the prefix it shares with the last one
+        (at least one token is evaluated, so that there are fresh logits to sample from)."""
+        cached = self.llm.input_ids[: self.llm.n_tokens]
+        common = 0
+        for a, b in zip(cached, ids[:-1]):
+            if a != b:
+                break
+            common += 1
+        self.llm.n_tokens = common  # eval() drops the KV cache past n_tokens
+        self.llm.eval(ids[common:])
+
+    def _sample(self, sampler: Any) -> int:
+        return int(self.lib.llama_sampler_sample(sampler, self.llm.ctx, -1))
+
+    def _sampler(self, opts: dict[str, Any]) -> Any:
+        """Padding tokens barred, then greedy, or temperature → top-p → a seeded draw (the
+        torch backend's order: top-p is taken over the tempered distribution)."""
+        lib = self.lib
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        if self.unused:
+            biases = (lib.llama_logit_bias * len(self.unused))(
+                *[lib.llama_logit_bias(t, float("-inf")) for t in self.unused])
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_logit_bias(
+                self.n_vocab, len(self.unused), biases))
+        if bool(opts["greedy"]) or float(opts["temperature"]) == 0.0:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
+            return chain
+        seed = int(opts["seed"])
+        if seed < 0:
+            seed = random.SystemRandom().randrange(2**31)
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(float(opts["temperature"])))
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(float(opts["top_p"]), 1))
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(seed % 2**32))
+        return chain
+
+    def _set_threads(self, wanted: int | None) -> None:
+        if wanted and wanted != self.threads:
+            self.lib.llama_set_n_threads(self.llm.ctx, wanted, wanted)
+            self.threads = wanted
+
+
+def _compile(template: str | None) -> Any:
+    """The file's Jinja chat template, rendered as transformers renders it."""
+    if not template:
+        return None
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template)
+    except jinja2.exceptions.TemplateError as exc:
+        raise ModelError(f"the model's chat template does not parse: {exc}") from None
+
+
+def check_memory(info: GGUFInfo, context: int) -> None:
+    """Refuse before loading when the weights, KV cache and buffers would not fit."""
+    from . import memory
+    from .gguf_file import memory_needed
+
+    need = memory_needed(info, context)
+    free, where = memory.available()
+    if need > free * MEMORY_HEADROOM:
+        raise ModelError(f"{info.path.name} needs about {need / 1e9:.1f} GB at a context of "
+                         f"{context} tokens but only {free / 1e9:.1f} GB is {where}; use a "
+                         f"smaller quantisation (int4: Q4_0), a shorter engine_context, or a "
+                         f"smaller model")
+
+
+def load(path: Path, threads: int, context: int = 0, use_mmap: bool = False) -> LlamaGenerator:
+    """Check ``path`` and the memory before llama.cpp sees it (ModelError), then load it."""
+    from .gguf_file import inspect_gguf
+
+    info = inspect_gguf(path)
+    check_memory(info, effective_context(info, context))
+    return LlamaGenerator(info, threads, context, use_mmap)
+
+
+def effective_context(info: GGUFInfo, requested: int) -> int:
+    """The context the engine serves: the request (0: DEFAULT_CONTEXT), at most the model's."""
+    return min(requested or DEFAULT_CONTEXT, info.context_length or DEFAULT_CONTEXT)

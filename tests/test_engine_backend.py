@@ -1,0 +1,241 @@
+"""Backend selection rules and the GGUF conversion cache (a partial or stale entry is never
+served), on the tiny synthetic model."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from dsr1d.config import load_config
+from dsr1d.engine.backend import choose, gguf_dtype, is_gguf
+from dsr1d.engine.errors import ModelError
+from dsr1d.engine.gguf_cache import (cached_gguf, entry_path, source_files, source_key,
+                                     valid_entry)
+from dsr1d.engine.gguf_convert import convert
+from dsr1d.engine.synth import synthesize
+from dsr1d.profiles import ProfileError
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return synthesize("tiny", tmp_path_factory.mktemp("tiny") / "tiny-r1")
+
+
+@pytest.fixture
+def gguf_file(tmp_path: Path) -> Path:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF" + bytes(60))
+    return path
+
+
+# -- selection ------------------------------------------------------------------------------
+
+def test_a_gguf_file_is_served_by_llamacpp_under_auto_and_llamacpp(gguf_file: Path) -> None:
+    for requested in ("auto", "llamacpp"):
+        choice = choose(requested, gguf_file, llama_installed=True)
+        assert (choice.backend, choice.convert) == ("llamacpp", False)
+
+
+def test_a_gguf_file_cannot_go_to_torch_and_the_error_says_what_to_set(gguf_file: Path) -> None:
+    with pytest.raises(ModelError, match="only the llama.cpp backend.*backend = llamacpp"):
+        choose("torch", gguf_file, llama_installed=True)
+
+
+def test_a_gguf_file_without_llama_cpp_installed_says_how_to_install(gguf_file: Path) -> None:
+    with pytest.raises(ModelError, match="llama-cpp-python, which is not installed.*make install"):
+        choose("auto", gguf_file, llama_installed=False)
+
+
+def test_a_gguf_file_is_recognised_by_its_magic_whatever_its_name(tmp_path: Path) -> None:
+    odd = tmp_path / "weights.bin"
+    odd.write_bytes(b"GGUF\x03\x00\x00\x00")
+    assert is_gguf(odd)
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"PK\x03\x04")
+    assert not is_gguf(other)
+    assert not is_gguf(tmp_path)
+
+
+def test_an_hf_directory_auto_takes_llamacpp_where_installed_else_torch(tiny: Path) -> None:
+    with_llama = choose("auto", tiny, llama_installed=True)
+    assert (with_llama.backend, with_llama.convert) == ("llamacpp", True)
+    assert "converted" in with_llama.reason
+    without = choose("auto", tiny, llama_installed=False)
+    assert (without.backend, without.convert) == ("torch", False)
+    assert "not installed" in without.reason
+
+
+def test_an_hf_directory_honours_an_explicit_backend(tiny: Path) -> None:
+    assert choose("torch", tiny, llama_installed=True).backend == "torch"
+    assert choose("llamacpp", tiny, llama_installed=True).convert
+    with pytest.raises(ModelError, match="backend = llamacpp, but llama-cpp-python is not"):
+        choose("llamacpp", tiny, llama_installed=False)
+
+
+def test_an_unknown_backend_is_refused_with_the_known_ones(tiny: Path) -> None:
+    with pytest.raises(ModelError, match="auto, llamacpp, torch"):
+        choose("onnx", tiny, llama_installed=True)
+
+
+def test_auto_precision_for_a_conversion_keeps_the_checkpoints_bf16() -> None:
+    assert gguf_dtype("auto") == "bf16"
+    assert gguf_dtype("int4") == "int4"
+
+
+def test_the_backend_is_a_config_key_and_a_profile_key(tmp_path: Path) -> None:
+    conf = tmp_path / "dsr1d.conf"
+    conf.write_text("[daemon]\nengine_backend = torch\nengine_cache_dir = /var/tmp/x\n")
+    config = load_config(conf)
+    assert (config.engine_backend, config.engine_cache_dir) == ("torch", "/var/tmp/x")
+    conf.write_text("[daemon]\nengine_backend = onnx\n")
+    with pytest.raises(ProfileError, match=r"dsr1d.conf:2: engine_backend"):
+        load_config(conf)
+
+
+# -- the conversion cache -------------------------------------------------------------------
+
+def _convert_counting(calls: list[str]):
+    def run(src: Path, out: Path, dtype: str, progress=None) -> Path:
+        calls.append(dtype)
+        return convert(src, out, dtype, progress)
+    return run
+
+
+def test_a_conversion_is_made_once_and_then_served_from_the_cache(tiny: Path,
+                                                                   tmp_path: Path) -> None:
+    calls: list[str] = []
+    cache = tmp_path / "cache"
+    first = cached_gguf(tiny, "int8", cache, _convert_counting(calls))
+    again = cached_gguf(tiny, "int8", cache, _convert_counting(calls))
+    assert first == again and calls == ["int8"]
+    assert first.name == f"tiny-r1-{source_key(tiny)}-int8.gguf"
+    assert valid_entry(first, source_key(tiny), "int8") is None
+
+
+def test_an_entry_without_its_manifest_is_a_partial_one_and_is_converted_again(
+        tiny: Path, tmp_path: Path) -> None:
+    calls: list[str] = []
+    cache = tmp_path / "cache"
+    entry = cached_gguf(tiny, "int4", cache, _convert_counting(calls))
+    entry.with_suffix(".json").unlink()
+    assert "interrupted" in valid_entry(entry, source_key(tiny), "int4")
+    cached_gguf(tiny, "int4", cache, _convert_counting(calls))
+    assert calls == ["int4", "int4"]
+
+
+def test_a_truncated_entry_is_never_served(tiny: Path, tmp_path: Path) -> None:
+    calls: list[str] = []
+    cache = tmp_path / "cache"
+    entry = cached_gguf(tiny, "bf16", cache, _convert_counting(calls))
+    size = entry.stat().st_size
+    with entry.open("r+b") as f:
+        f.truncate(size // 2)
+    assert valid_entry(entry, source_key(tiny), "bf16") is not None
+    served = cached_gguf(tiny, "bf16", cache, _convert_counting(calls))
+    assert calls == ["bf16", "bf16"] and served.stat().st_size == size
+
+
+def test_an_entry_cut_short_but_with_a_matching_manifest_size_fails_the_header_check(
+        tiny: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    entry = cached_gguf(tiny, "bf16", cache, convert)
+    with entry.open("r+b") as f:
+        f.truncate(entry.stat().st_size // 3)
+    manifest = entry.with_suffix(".json")
+    data = json.loads(manifest.read_text())
+    data["size"] = entry.stat().st_size
+    manifest.write_text(json.dumps(data))
+    assert valid_entry(entry, source_key(tiny), "bf16") is not None
+
+
+def test_a_changed_model_gets_a_new_entry_and_the_stale_one_is_removed(tmp_path: Path) -> None:
+    src = synthesize("tiny", tmp_path / "m")
+    cache = tmp_path / "cache"
+    old = cached_gguf(src, "int8", cache, convert)
+    other_dtype = cached_gguf(src, "int4", cache, convert)
+    synthesize("tiny", src, seed=1)  # new weights, same path
+    new = cached_gguf(src, "int8", cache, convert)
+    assert new != old
+    assert not old.exists() and not old.with_suffix(".json").exists()
+    assert not other_dtype.exists()
+    assert sorted(p.name for p in cache.glob("*.gguf")) == [new.name]
+
+
+def test_a_same_named_other_model_is_left_alone(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    a = cached_gguf(synthesize("tiny", tmp_path / "a" / "m"), "int8", cache, convert)
+    b = cached_gguf(synthesize("tiny", tmp_path / "b" / "m", seed=3), "int8", cache, convert)
+    assert a.exists() and b.exists() and a != b
+
+
+def test_digests_are_remembered_and_a_touched_file_is_hashed_again(tiny: Path,
+                                                                    tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    key = source_key(tiny, cache)
+    memo = json.loads((cache / "digests.json").read_text())
+    assert len(memo) == len(source_files(tiny)) >= 4  # config, tokenizer files, weights
+    weights = next(tiny.glob("*.safetensors"))
+    os.utime(weights, ns=(1, 1))
+    assert source_key(tiny, cache) == key  # same content, new stamp: same key
+    assert len(json.loads((cache / "digests.json").read_text())) == len(memo) + 1
+
+
+def test_an_unwritable_cache_is_a_model_error(tiny: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ModelError, match="cannot create the conversion cache"):
+        cached_gguf(tiny, "int8", blocker / "cache", convert)
+
+
+def test_entry_names_are_confined_to_the_cache(tmp_path: Path) -> None:
+    entry = entry_path(Path("/models/../weird name!"), "0" * 16, "int8", tmp_path)
+    assert entry.parent == tmp_path and "/" not in entry.name
+
+
+# -- memory under a cgroup limit ------------------------------------------------------------
+
+def _cgroup(tmp_path: Path, limits: dict[str, tuple[str, int]]) -> tuple[Path, Path]:
+    fs = tmp_path / "cgroup"
+    for rel, (limit, current) in limits.items():
+        group = fs / rel
+        group.mkdir(parents=True, exist_ok=True)
+        (group / "memory.max").write_text(limit + "\n")
+        (group / "memory.current").write_text(f"{current}\n")
+    proc = tmp_path / "proc-self-cgroup"
+    proc.write_text("0::/system.slice/dsr1d.service\n")
+    return proc, fs
+
+
+def test_the_tightest_cgroup_limit_on_the_way_up_is_the_room_left(tmp_path: Path) -> None:
+    from dsr1d.engine.memory import cgroup_room
+
+    proc, fs = _cgroup(tmp_path, {"system.slice": ("5000", 1000),
+                                  "system.slice/dsr1d.service": ("3000", 2500)})
+    assert cgroup_room(proc, fs) == 500
+    proc, fs = _cgroup(tmp_path / "b", {"system.slice": ("5000", 4800),
+                                        "system.slice/dsr1d.service": ("max", 100)})
+    assert cgroup_room(proc, fs) == 200
+
+
+def test_no_cgroup_limit_means_no_room_figure(tmp_path: Path) -> None:
+    from dsr1d.engine.memory import cgroup_room
+
+    proc, fs = _cgroup(tmp_path, {"system.slice/dsr1d.service": ("max", 100)})
+    assert cgroup_room(proc, fs) is None
+    assert cgroup_room(tmp_path / "missing", fs) is None
+
+
+def test_leftovers_of_a_dead_conversion_are_cleaned_but_a_live_ones_kept(tiny: Path,
+                                                                        tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    dead = cache / ".tiny-r1-0123456789abcdef-int8.gguf.999999999.partial"
+    live = cache / f".other.gguf.{os.getpid()}.partial"
+    dead.write_bytes(b"GGUF")
+    live.write_bytes(b"GGUF")
+    cached_gguf(tiny, "int8", cache, convert)
+    assert not dead.exists() and live.exists()
