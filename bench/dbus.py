@@ -2,10 +2,12 @@
 
 Starts a private system-like bus and the real daemon against a fake root, then times a few
 hundred calls of each kind from a dbus-fast client. The baseline, measured in the same run, is
-``org.freedesktop.DBus.Peer.Ping`` to the daemon: the bus's own floor. Prints a table and JSON;
-never passes or fails.
+``org.freedesktop.DBus.Peer.Ping`` to the daemon: the bus's own floor. Then a flood: 1,000 reads
+(GetTelemetry, a property Get, ListProfiles) sent at once from 50 connections of the unprivileged
+user ``nobody`` — how many were answered, latency percentiles, wall time. Prints a table and
+JSON; never passes or fails.
 
-    .venv/bin/python bench/dbus.py [--calls 300] [--idle-seconds 60]
+    .venv/bin/python bench/dbus.py [--calls 300] [--idle-seconds 60] [--flood-conns 50 --flood-calls 20]
 """
 
 from __future__ import annotations
@@ -74,6 +76,53 @@ async def measure(address: str, calls: int) -> dict[str, list[float]]:
     return results
 
 
+# Run as nobody: CONNS connections, CALLS reads on each, all sent at once.
+FLOOD = """\
+import asyncio, json, sys, time
+from dbus_fast import Message, MessageType
+from dbus_fast.aio import MessageBus
+
+ADDRESS, CONNS, CALLS = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+READS = [("org.dsr1d.Manager1", "GetTelemetry", "", []),
+         ("org.freedesktop.DBus.Properties", "Get", "ss", ["org.dsr1d.Manager1", "ActiveProfile"]),
+         ("org.dsr1d.Manager1", "ListProfiles", "", [])]
+
+async def one(bus, i):
+    iface, member, sig, body = READS[i % len(READS)]
+    start = time.perf_counter()
+    try:
+        reply = await asyncio.wait_for(bus.call(Message(
+            destination="org.dsr1d", path="/org/dsr1d", interface=iface, member=member,
+            signature=sig, body=body)), 60)
+    except Exception:
+        return None
+    ok = reply.message_type == MessageType.METHOD_RETURN
+    return (time.perf_counter() - start) * 1000 if ok else None
+
+async def main():
+    buses = [await MessageBus(bus_address=ADDRESS).connect() for _ in range(CONNS)]
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(b, i) for b in buses for i in range(CALLS)))
+    print(json.dumps({"wall_s": time.perf_counter() - start,
+                      "latencies_ms": [r for r in results if r is not None],
+                      "sent": len(results)}))
+
+asyncio.run(main())
+"""
+
+
+def flood(address: str, conns: int, calls: int) -> dict:
+    """The flood as nobody; answered count, latency percentiles, wall time."""
+    proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                           sys.executable, "-c", FLOOD, address, str(conns), str(calls)],
+                          capture_output=True, text=True, timeout=300, check=True)
+    data = json.loads(proc.stdout)
+    lat = data["latencies_ms"] or [float("nan")]
+    return {"sent": data["sent"], "answered": len(data["latencies_ms"]),
+            "p50_ms": statistics.median(lat), "p99_ms": percentile(lat, 99),
+            "wall_s": data["wall_s"]}
+
+
 def wait_for_name(address: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     env = {**os.environ, "DBUS_SYSTEM_BUS_ADDRESS": address}
@@ -90,6 +139,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--idle-seconds", type=float, default=60)
     parser.add_argument("--cpus", type=int, default=16, help="CPUs of the fake machine")
+    parser.add_argument("--flood-conns", type=int, default=50)
+    parser.add_argument("--flood-calls", type=int, default=20, help="reads per connection")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, \
             PrivateBus([REPO / "etc/dbus-1/system.d/org.dsr1d.conf"]) as privbus:
@@ -101,6 +152,7 @@ def main() -> None:
         try:
             wait_for_name(privbus.address)
             results = asyncio.run(measure(privbus.address, args.calls))
+            flooded = flood(privbus.address, args.flood_conns, args.flood_calls)
             before, t0 = cpu_seconds(daemon.pid), time.monotonic()
             time.sleep(args.idle_seconds)
             idle_share = (cpu_seconds(daemon.pid) - before) / (time.monotonic() - t0) * 100
@@ -115,6 +167,10 @@ def main() -> None:
         p50, p99 = statistics.median(samples), percentile(samples, 99)
         figures[name] = {"p50_ms": p50, "p99_ms": p99, "ratio_to_ping": p50 / base}
         print(f"{name:20} {p50:8.2f} {p99:8.2f} {p50 / base:9.1f}")
+    print(f"flood as nobody: {flooded['answered']}/{flooded['sent']} reads answered from "
+          f"{args.flood_conns} connections in {flooded['wall_s']:.2f} s, p50 "
+          f"{flooded['p50_ms']:.1f} ms, p99 {flooded['p99_ms']:.1f} ms")
+    figures["flood"] = flooded
     figures["idle_cpu_percent_of_one_core"] = idle_share
     figures["idle_seconds"] = args.idle_seconds
     print(f"daemon CPU share while idle: {idle_share:.3f} % of one core over {args.idle_seconds:.0f} s")

@@ -7,18 +7,20 @@ authorised against the caller's uid even when the bus policy would let it throug
 signals and introspection stay with dbus-fast's ``ServiceInterface``.
 """
 
+import array
 import asyncio
 import grp
 import logging
 import pwd
+import socket
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from dbus_fast import BusType, Message, MessageType, Variant
 from dbus_fast import introspection as intr
 from dbus_fast.aio import MessageBus
+from dbus_fast.aio.message_bus import _MessageWriter
 from dbus_fast.constants import PropertyAccess
-from dbus_fast.errors import DBusError
 from dbus_fast.service import ServiceInterface, dbus_property, signal
 from dbus_fast.signature import get_signature_tree
 
@@ -122,19 +124,29 @@ def to_variant(value: Any) -> Variant:
 
 
 class Authorizer:
-    """Root, members of the ``dsr1d`` group, or a polkit "yes" may change things."""
+    """Root, members of the ``dsr1d`` group, or a polkit "yes" may change things.
+
+    A connection's uid cannot change while it is connected, so it is asked of the bus once per
+    connection and forgotten when the connection leaves (``forget``)."""
 
     def __init__(self, bus: MessageBus) -> None:
         self.bus = bus
+        self._uids: dict[str, int] = {}
 
     async def uid(self, sender: str) -> int:
+        if sender in self._uids:
+            return self._uids[sender]
         reply = await self.bus.call(Message(
             destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
             interface="org.freedesktop.DBus", member="GetConnectionUnixUser",
             signature="s", body=[sender]))
         if reply.message_type != MessageType.METHOD_RETURN:
             raise AccessDenied(f"cannot tell who {sender} is")
-        return int(reply.body[0])
+        self._uids[sender] = int(reply.body[0])
+        return self._uids[sender]
+
+    def forget(self, sender: str) -> None:
+        self._uids.pop(sender, None)
 
     async def check(self, caller: Caller, method: str) -> None:
         if caller.uid == 0 or _in_group(caller.uid, ADMIN_GROUP):
@@ -170,6 +182,7 @@ class DispatchedInterface(ServiceInterface):
     def __init__(self, name: str, methods: dict[str, Method]) -> None:
         super().__init__(name)
         self.methods = methods
+        self._pending_changes: set[str] = set()
 
     def introspect(self) -> intr.Interface:
         iface = super().introspect()
@@ -180,6 +193,15 @@ class DispatchedInterface(ServiceInterface):
         return iface
 
     def emit_changed(self, names: list[str]) -> None:
+        """PropertiesChanged for ``names``, coalesced: changes made in one turn of the event loop
+        (a burst of holds, say) go out as one signal carrying the latest values."""
+        if not self._pending_changes:
+            asyncio.get_running_loop().call_soon(self._flush_changes)
+        self._pending_changes.update(names)
+
+    def _flush_changes(self) -> None:
+        names = sorted(self._pending_changes)
+        self._pending_changes.clear()
         self.emit_properties_changed({name: getattr(self, name) for name in names})
 
 
@@ -271,7 +293,8 @@ class Dispatcher:
 
     async def _run(self, method: Method, msg: Message) -> None:
         try:
-            caller = Caller(msg.sender, await self.auth.uid(msg.sender))
+            # Reads are open to everyone: no uid is needed, so none is asked for.
+            caller = Caller(msg.sender, await self.auth.uid(msg.sender) if method.mutating else -1)
             if method.mutating:
                 await self.auth.check(caller, method.name)
             result = method.call(caller, *msg.body)
@@ -360,6 +383,7 @@ class ManagerService:
     def _owner_changed(self, msg: Message) -> None:
         if (msg.member == "NameOwnerChanged" and msg.sender == "org.freedesktop.DBus"
                 and len(msg.body) == 3 and msg.body[0].startswith(":") and not msg.body[2]):
+            self.dispatcher.auth.forget(msg.body[0])
             self.manager.release_owner(msg.body[0])
 
 
@@ -470,8 +494,62 @@ async def neighbours(bus: MessageBus) -> dict[str, str]:
     return found
 
 
+class _BackpressureWriter(_MessageWriter):
+    """dbus-fast's writer, except that a full socket (EAGAIN) waits for the socket to drain.
+
+    Upstream treats ``BlockingIOError`` from ``send`` like a broken connection and closes the
+    bus (dbus-next #153, inherited by dbus-fast): a burst of replies — a thousand reads from
+    unprivileged clients — then takes the daemon off the bus for good. Here the message stays
+    queued at its offset and the writer callback resumes when the socket is writable."""
+
+    def write_callback(self, remove_writer: bool = True) -> None:
+        while True:
+            if self.buf is None:
+                if not self.messages:
+                    if remove_writer:
+                        self.loop.remove_writer(self.fd)
+                    return
+                buf, self.unix_fds, self.fut = self.messages.popleft()
+                self.buf, self.offset = memoryview(buf), 0
+            try:
+                self.offset += self._send()
+            except (BlockingIOError, InterruptedError):
+                return  # the writer stays registered (schedule_write adds it if needed)
+            except Exception as exc:  # a real failure: what upstream does
+                if self.bus._user_disconnect:
+                    _resolve(self.fut, None)
+                else:
+                    _resolve(self.fut, exc)
+                self.bus._finalize(exc)
+                return
+            if self.offset < len(self.buf):
+                return
+            self.buf = None
+            _resolve(self.fut, None)
+
+    def _send(self) -> int:
+        data = self.buf[self.offset:]
+        if self.unix_fds and self.negotiate_unix_fd:
+            fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", self.unix_fds))]
+            sent = self.sock.sendmsg([data], fds)
+            self.unix_fds = None
+            return sent
+        return self.sock.send(data)
+
+
+def _resolve(future: asyncio.Future | None, outcome: Any) -> None:
+    if future is None or future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
 async def connect(address: str | None) -> MessageBus:
-    """Connect to ``address``, or to the system bus (``$DBUS_SYSTEM_BUS_ADDRESS`` honoured)."""
-    if address:
-        return await MessageBus(bus_address=address).connect()
-    return await MessageBus(bus_type=BusType.SYSTEM).connect()
+    """Connect to ``address``, or to the system bus (``$DBUS_SYSTEM_BUS_ADDRESS`` honoured),
+    with a writer that applies back-pressure instead of disconnecting on a full socket."""
+    bus = MessageBus(bus_address=address) if address else MessageBus(bus_type=BusType.SYSTEM)
+    await bus.connect()
+    bus._writer = _BackpressureWriter(bus)  # idle right after Hello: nothing queued to carry over
+    return bus

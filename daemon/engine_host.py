@@ -165,6 +165,7 @@ class EngineHost:
     async def _spawn(self) -> None:
         parent, child = socket.socketpair()
         self._set_state("loading")
+        self.info.pop("converted_tenths", None)
         placement = self._placement()
         args = ["--fd", str(child.fileno()), "--model", str(self.model), "--dtype", self.dtype,
                 "--threads", str(placement.threads), "--backend", self.backend,
@@ -259,9 +260,7 @@ class EngineHost:
             log.info("engine loading %s: %.1f/%.1f GB", event["file"], event["done"] / 1e9,
                      event["total"] / 1e9)
         elif kind == "converting":
-            self.info["converting"] = f"{event['done']}/{event['total']}"
-            log.info("engine converting to GGUF: %s/%s %s", event["done"], event["total"],
-                     event["file"])
+            self._log_conversion(event["done"], event["total"], event["file"])
         elif kind == "log":
             log.info("engine: %s", event["message"])
         elif kind == "ready":
@@ -279,6 +278,14 @@ class EngineHost:
             self._finish(event)
         elif kind == "error":
             self._error(event)
+
+    def _log_conversion(self, done: int, total: int, name: str) -> None:
+        """Conversion progress, once per tenth (a 7B model has ~340 tensors)."""
+        tenth = 10 * done // max(total, 1)
+        if tenth > self.info.get("converted_tenths", -1):
+            self.info["converted_tenths"] = tenth
+            log.info("engine converting to GGUF: %d %% (%.2f of %.2f GB, %s)", 10 * tenth,
+                     done / 1e9, total / 1e9, name)
 
     def _finish(self, event: dict[str, Any]) -> None:
         job = self.jobs.pop(event["job"], None)

@@ -29,6 +29,18 @@ class HoldError(Exception):
         super().__init__(message)
 
 
+MAX_HOLDS_PER_CLIENT = 16
+MAX_HOLDS = 256
+MAX_HOLD_TEXT = 256  # characters of a reason or application id
+
+
+def _check_hold_text(reason: str, application_id: str) -> None:
+    for what, text in (("reason", reason), ("application_id", application_id)):
+        if len(text) > MAX_HOLD_TEXT:
+            raise HoldError("InvalidArgument", f"the hold's {what} is {len(text)} characters; "
+                            f"at most {MAX_HOLD_TEXT}")
+
+
 @dataclass(frozen=True)
 class Hold:
     """A profile held on behalf of a bus client."""
@@ -134,7 +146,15 @@ class Manager:
             self._changed(["Holds"])
 
     def hold(self, name: str, reason: str, application_id: str, owner: str) -> int:
-        """Hold ``name`` for ``owner``; returns the cookie that releases it."""
+        """Hold ``name`` for ``owner``; returns the cookie that releases it. HoldError
+        ``TooManyHolds`` past the limits per client and in total, ``InvalidArgument`` for an
+        over-long reason or application id (every hold is re-sent in the ``Holds`` property)."""
+        _check_hold_text(reason, application_id)
+        if sum(h.owner == owner for h in self.holds) >= MAX_HOLDS_PER_CLIENT:
+            raise HoldError("TooManyHolds", f"{owner} already holds {MAX_HOLDS_PER_CLIENT} "
+                            f"profiles; release one first")
+        if len(self.holds) >= MAX_HOLDS:
+            raise HoldError("TooManyHolds", f"{MAX_HOLDS} holds are active; no more are taken")
         profile = self._profile(name)
         self._apply(profile, f"hold by {application_id or owner}: {reason}")
         cookie = self._next_cookie

@@ -15,7 +15,7 @@ import signal
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from dbus_fast import NameFlag, RequestNameReply
 
@@ -104,7 +104,7 @@ class Daemon:
             await self.engine.start()
         watchdog = self._start_watchdog()
         sampling = asyncio.get_running_loop().create_task(self._sample_loop(config))
-        await self.stop_event.wait()
+        lost = await self._until_stopped_or_lost(bus)
         sampling.cancel()
         self.sampler.stop()
         notify(STOPPING="1", STATUS="restoring every knob")
@@ -115,9 +115,28 @@ class Daemon:
         if self.engine is not None:
             await self.engine.stop()
         failed = manager.stop()
+        if lost:
+            # Never run nameless: every knob is back, and a non-zero exit lets Restart= bring
+            # the daemon back onto the bus.
+            return self._fail(f"lost the bus connection ({lost}); knobs restored, exiting", 1)
         await bus.release_name(BUS_NAME)
         bus.disconnect()
         return 1 if failed else 0
+
+    async def _until_stopped_or_lost(self, bus: Any) -> str | None:
+        """Wait for a stop request (None) or the bus connection's loss (why)."""
+        stop = asyncio.ensure_future(self.stop_event.wait())
+        gone = asyncio.ensure_future(bus.wait_for_disconnect())
+        done, _ = await asyncio.wait({stop, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if gone not in done:
+            gone.cancel()
+            return None
+        stop.cancel()
+        try:
+            gone.result()
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "disconnected"
 
     async def reload(self) -> list[ProfileError]:
         """Reload config and profiles; a broken config keeps the old one and says why."""

@@ -1,0 +1,102 @@
+"""How close the llama.cpp backend's logits are to the torch fp32 reference, per precision, on
+the synthetic DeepSeek-R1-Distill-Qwen-1.5B (the tests check the tiny model; this is the real
+shape). Prints, for F32 / BF16 / Q8_0 / Q4_0 conversions of the same checkpoint, the cosine of
+the logits at every position of a ~64-token sequence (min and mean), the top-1 agreement, and
+the mean KL divergence of the softmax from the reference. Never passes or fails.
+
+    .venv/bin/python bench/numerics.py [--model DIR] [--tokens 64]
+
+The model is the one bench/inference.py synthesises (default
+/var/tmp/dsr1d-bench/r1-distill-qwen-1.5b); conversions are cached beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+DEFAULT_MODEL = Path("/var/tmp/dsr1d-bench/r1-distill-qwen-1.5b")
+DTYPES = ("fp32", "bf16", "int8", "int4")
+TEXT = ("Memory bandwidth bounds the speed of decoding on a CPU: every generated token reads "
+        "every weight of the model once, so fewer bytes per weight means more tokens per second.")
+
+
+def ensure_gguf(model: Path, dtype: str) -> Path:
+    """The model converted to ``dtype``, reused while newer than its config."""
+    from dsr1d.engine.gguf_convert import convert
+
+    out = model / f"numerics-{dtype}.gguf"
+    if not out.exists() or out.stat().st_mtime < (model / "config.json").stat().st_mtime:
+        print(f"converting to {dtype}…", file=sys.stderr, flush=True)
+        convert(model, out, dtype)
+    return out
+
+
+def torch_logits(model: Path, ids: list[int], dtype: str = "fp32"):
+    """Logits of the torch backend loaded as ``dtype`` (fp32: the reference)."""
+    import torch
+
+    from dsr1d.engine.model import load
+
+    loaded = load(model, dtype)
+    with torch.inference_mode():
+        logits = loaded.model(input_ids=torch.tensor([ids])).logits[0].float()
+    del loaded
+    return logits
+
+
+def compare(want, got) -> dict[str, float]:
+    import torch
+
+    got = got[:, : want.shape[1]]
+    cosine = torch.nn.functional.cosine_similarity(got, want, dim=1)
+    logp, logq = torch.log_softmax(want, 1), torch.log_softmax(got, 1)
+    kl = (logp.exp() * (logp - logq)).sum(1)
+    return {"cosine_min": cosine.min().item(), "cosine_mean": cosine.mean().item(),
+            "top1_agreement": (got.argmax(1) == want.argmax(1)).float().mean().item(),
+            "kl_mean": kl.mean().item()}
+
+
+def report(label: str, source: str, r: dict[str, float], positions: int) -> None:
+    print(f"{label:10} ({source}): cosine min {r['cosine_min']:.5f} mean "
+          f"{r['cosine_mean']:.5f}, top-1 agreement {r['top1_agreement']:.3f}, "
+          f"KL {r['kl_mean']:.5f} over {positions} positions", flush=True)
+
+
+def main() -> None:
+    import torch
+
+    from dsr1d.engine import llama_backend
+    from dsr1d.engine.synth import synthesize
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+    if not (args.model / "config.json").exists():
+        synthesize("1.5b", args.model)
+    ggufs = {dtype: ensure_gguf(args.model, dtype) for dtype in DTYPES}
+    first = llama_backend.load(ggufs["int4"], threads=2, context=args.tokens + 64)
+    ids = (first.encode(TEXT) + first.tokenize(" " + TEXT) * 4)[: args.tokens]
+    del first
+    want = torch_logits(args.model, ids)
+    rows = {}
+    # The torch backend's own int8/int4 on the same checkpoint: how much of a row's error is the
+    # precision itself (a random 28-layer network amplifies weight noise) and how much llama.cpp.
+    for dtype in ("int8", "int4"):
+        rows[f"torch-{dtype}"] = compare(want, torch_logits(args.model, ids, dtype))
+        report(f"torch-{dtype}", "the torch backend", rows[f"torch-{dtype}"], len(ids))
+    for dtype, path in ggufs.items():
+        gen = llama_backend.load(path, threads=2, context=args.tokens + 64)
+        rows[dtype] = compare(want, torch.tensor(gen.logits(ids)))
+        del gen
+        report(dtype, path.name, rows[dtype], len(ids))
+    print(json.dumps({"model": str(args.model), "positions": len(ids), "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
