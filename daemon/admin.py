@@ -10,18 +10,22 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Callable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
 
 from . import __version__
+from .config import DEFAULT_PATH as DEFAULT_CONFIG
+from .config import load_config
 from .context import Core, build_core
 from .plugin_manager import PluginError
 from .profiles import ProfileError, UnknownProfile
-from .state import JournalError
+from .state import JournalBusy, JournalError, OwnerLock
 from .sysroot import KnobError, SysRoot
 from .table import render
 from .tuning import ApplyFailed, Plan, TuningError
 
-EXIT_FAILED, EXIT_USAGE, EXIT_JOURNAL = 1, 2, 3
+EXIT_FAILED, EXIT_USAGE, EXIT_JOURNAL, EXIT_BUSY = 1, 2, 3, 4
 
 
 def cmd_probe(core: Core, args: argparse.Namespace) -> int:
@@ -86,7 +90,8 @@ def cmd_apply(core: Core, args: argparse.Namespace) -> int:
         print(f"dry run: applying {profile.name} would make {len(plan.writes)} write(s):")
         _print_plan(plan, dry_run=True)
         return 0
-    plan = core.tuner.switch(profile)
+    with owning(core, "dsr1d apply"):
+        plan = core.tuner.switch(profile)
     print(f"applied {profile.name}: {len(plan.writes)} write(s)")
     _print_plan(plan, dry_run=False)
     if any(key.startswith("pmqos:") for key in plan.wanted):
@@ -94,6 +99,17 @@ def cmd_apply(core: Core, args: argparse.Namespace) -> int:
               "as the process that made it: it ended when this command exited. Run the daemon "
               "(`dsr1d run`, or `systemctl start dsr1d`) to hold it.", file=sys.stderr)
     return 0
+
+
+@contextmanager
+def owning(core: Core, who: str) -> Iterator[None]:
+    """Hold the journal's writer lock (JournalBusy while the daemon or another command has it)."""
+    lock = OwnerLock(core.journal.path)
+    lock.acquire(who)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def cmd_verify(core: Core, args: argparse.Namespace) -> int:
@@ -113,9 +129,10 @@ def cmd_verify(core: Core, args: argparse.Namespace) -> int:
 
 
 def cmd_restore(core: Core, args: argparse.Namespace) -> int:
-    if args.discard:
-        return _discard(core)
-    restored, errors = core.tuner.restore()
+    with owning(core, "dsr1d restore"):
+        if args.discard:
+            return _discard(core)
+        restored, errors = core.tuner.restore()
     for change in restored:
         print(f"  {change.tunable:10} restored {change.where}: {change.current} -> {change.wanted}")
     for error in errors:
@@ -153,6 +170,9 @@ def parser() -> argparse.ArgumentParser:
                         help="journal path (default <root>/run/dsr1d/state.json)")
     common.add_argument("--profiles-dir", default=argparse.SUPPRESS,
                         help="user profile directory (default <root>/etc/dsr1d/profiles)")
+    common.add_argument("--config", default=argparse.SUPPRESS,
+                        help="the daemon's configuration, whose root, journal and profiles_dir "
+                             "are the defaults here (default /etc/dsr1d/dsr1d.conf)")
     top = argparse.ArgumentParser(prog="dsr1d", parents=[common],
                                   description="dsr1d admin commands (run as root)")
     top.add_argument("--version", action="version", version=f"dsr1d {__version__}")
@@ -174,7 +194,6 @@ def parser() -> argparse.ArgumentParser:
                           help="[--seconds N] [--mitigate|--no-mitigate] [--csv FILE] "
                                "[--fake-root DIR --realtime]")
     run = sub.add_parser("run", parents=[common], help="the daemon (systemd runs this)")
-    run.add_argument("--config", help="configuration file (default /etc/dsr1d/dsr1d.conf)")
     run.add_argument("--bus-address", help="D-Bus address (default: the system bus, or "
                      "$DBUS_SYSTEM_BUS_ADDRESS)")
     run.add_argument("--verbose", action="store_true", help="debug logging")
@@ -182,6 +201,26 @@ def parser() -> argparse.ArgumentParser:
     restore.add_argument("--discard", action="store_true",
                          help="move an unusable journal aside without restoring anything")
     return top
+
+
+def core_paths(args: argparse.Namespace) -> tuple[str, str | None, str | None]:
+    """Root, journal and profile directory: the command line's, else the daemon's config file's
+    (so that ``dsr1d restore`` after a crash — the unit's ExecStopPost — finds the journal the
+    daemon used). A ``--root`` given alone keeps everything under that root."""
+    given = {k: getattr(args, k) for k in ("root", "journal", "profiles_dir") if hasattr(args, k)}
+    path = Path(getattr(args, "config", DEFAULT_CONFIG))
+    try:
+        config = load_config(path)
+    except ProfileError as exc:
+        if hasattr(args, "config"):
+            raise
+        print(f"dsr1d: warning: ignoring the broken {path} ({exc}); using the default paths",
+              file=sys.stderr)
+        config = load_config(None)
+    if "root" in given:
+        return given["root"], given.get("journal"), given.get("profiles_dir")
+    return (config.root, given.get("journal", config.journal),
+            given.get("profiles_dir", config.profiles_dir))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,13 +246,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         from .service import main as run_daemon
 
-        return run_daemon(args.config, args.bus_address, getattr(args, "root", None),
+        return run_daemon(getattr(args, "config", None), args.bus_address,
+                          getattr(args, "root", None),
                           getattr(args, "journal", None), getattr(args, "profiles_dir", None),
                           args.verbose)
     try:
-        core = build_core(getattr(args, "root", "/"), getattr(args, "journal", None),
-                          getattr(args, "profiles_dir", None))
+        core = build_core(*core_paths(args))
         return COMMANDS[args.command](core, args)
+    except JournalBusy as exc:
+        print(f"dsr1d: {exc}: it is the only writer of these knobs while it runs. Switch "
+              f"profiles through it (`dsr1ctl profile NAME`, `dsr1ctl reload`), or stop it "
+              f"first (`systemctl stop dsr1d`, which restores every knob).", file=sys.stderr)
+        return EXIT_BUSY
     except (UnknownProfile, ProfileError, PluginError) as exc:
         print(f"dsr1d: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -74,6 +74,8 @@ DAEMON_SCHEMA: Schema = {
     "engine_cpus": option(parse_cpu_list_option, "CPUs the engine is pinned to (e.g. 0-15; "
                           "unset: all)", "cpu list"),
     "engine_profile": option(_single, "profile held while the engine generates", "name"),
+    "engine_ping_timeout_s": option(_positive_float, "an engine worker that answers no health "
+                                    "ping for this long is killed and restarted", "s"),
 }
 
 
@@ -96,6 +98,7 @@ class Config:
     engine_threads: int = 0
     engine_cpus: list[int] | None = None
     engine_profile: str = "sustained"
+    engine_ping_timeout_s: float = 30.0
 
 
 def load_config(path: Path | None) -> Config:

@@ -11,22 +11,27 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import socket
 import sys
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import psutil
 
+from .engine.textstream import ThinkSplitter
 from .placement import Placement, describe, plan, read_topology
 from .sysroot import SysRoot
 
 log = logging.getLogger("dsr1d")
 
-PING_INTERVAL_S = 10.0
-PING_TIMEOUT_S = 30.0
+PING_TIMEOUT_S = 30.0    # a worker silent this long is killed (pings every third of it)
 BACKOFF_S = (1, 2, 5, 10, 30, 60)
+MAX_LOAD_FAILURES = 3    # deaths before ever becoming ready: then ``failed``, with the reason
+LINE_LIMIT = 1 << 20     # a protocol line longer than this is a broken worker (text is chunked)
+STDERR_TAIL = 20
 OPTIONS: dict[str, tuple[type, float | None, float | None]] = {
     "max_new_tokens": (int, 1, 1_000_000),
     "temperature": (float, 0.0, 2.0),
@@ -95,10 +100,15 @@ def physical_cores() -> int:
 
 @dataclass
 class Job:
+    """A generation: its request, the text assembled from the worker's chunks, the reasoning /
+    answer split of what it streamed, and the caller's future."""
+
     id: int
     prompt: str
     options: dict[str, Any]
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    text: list[str] = field(default_factory=list)
+    split: ThinkSplitter = field(default_factory=ThinkSplitter)
 
 
 TokenListener = Callable[[int, str], None]
@@ -113,8 +123,10 @@ class EngineHost:
     def __init__(self, model: Path, dtype: str = "auto", threads: int = 0,
                  cpus: list[int] | None = None, python: str = sys.executable,
                  backend: str = "auto", cache_dir: Path = Path("/var/cache/dsr1d"),
-                 context: int = 0, mmap: bool = False, root: str = "/") -> None:
+                 context: int = 0, mmap: bool = False, root: str = "/",
+                 ping_timeout_s: float = PING_TIMEOUT_S) -> None:
         self.model = model
+        self.ping_timeout_s = ping_timeout_s
         self.dtype = dtype
         self.backend = backend
         self.cache_dir = cache_dir
@@ -133,6 +145,8 @@ class EngineHost:
         self._writer: asyncio.StreamWriter | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._restarts = 0
+        self._load_failures = 0
+        self._stderr: deque[str] = deque(maxlen=STDERR_TAIL)
         self._stopping = False
         self._last_pong = 0.0
         self.token_listeners: list[TokenListener] = []
@@ -176,7 +190,8 @@ class EngineHost:
             args += ["--mem-nodes", ",".join(map(str, placement.mem_bind_nodes))]
         self._proc = await asyncio.create_subprocess_exec(
             self.python, "-m", "dsr1d.engine.worker", *args, env=worker_environment(),
-            pass_fds=(child.fileno(),), stdin=asyncio.subprocess.DEVNULL)
+            pass_fds=(child.fileno(),), stdin=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE, limit=LINE_LIMIT)
         child.close()
         self.threads = placement.threads
         try:
@@ -184,9 +199,11 @@ class EngineHost:
                 os.sched_setaffinity(self._proc.pid, placement.cpus)
         except OSError as exc:
             log.warning("cannot pin the engine to CPUs %s: %s", placement.cpus, exc.strerror)
-        reader, self._writer = await asyncio.open_unix_connection(sock=parent)
+        reader, self._writer = await asyncio.open_unix_connection(sock=parent, limit=LINE_LIMIT)
         self._last_pong = asyncio.get_running_loop().time()
+        self._stderr.clear()
         self._spawn_task(self._read(reader, self._proc))
+        self._spawn_task(self._forward_stderr(self._proc))
         log.info("engine worker %d started: %s, backend %s, dtype %s; %s", self._proc.pid,
                  self.model, self.backend, self.dtype, describe(placement))
 
@@ -232,17 +249,39 @@ class EngineHost:
     # -- worker events -----------------------------------------------------------------------
 
     async def _read(self, reader: asyncio.StreamReader, proc: asyncio.subprocess.Process) -> None:
-        while line := await reader.readline():
-            try:
+        """Events until the worker's channel ends. Any failure of the channel — a line over the
+        limit, a reset connection, garbage — means a broken worker: it is killed, and handled
+        like any other death."""
+        try:
+            while line := await reader.readline():
                 self._event(json.loads(line))
-            except (ValueError, KeyError) as exc:
-                log.error("engine sent garbage (%s): %.200r", exc, line)
+        except Exception as exc:
+            log.error("engine worker %d: %s on its channel; killing it", proc.pid,
+                      f"{type(exc).__name__}: {exc}"[:300])
+        if proc.returncode is None:
+            proc.kill()
         code = await proc.wait()
-        if self._stopping:
-            return
+        if not self._stopping:
+            await self._died(proc, code)
+
+    async def _died(self, proc: asyncio.subprocess.Process, code: int) -> None:
+        """Answer every caller, release the engine's hold, then restart with back-off — or give
+        up with the reason when it never got as far as ready."""
         why = f"signal {-code}" if code < 0 else f"exit status {code}"
+        if code == -signal.SIGKILL:
+            log.error("engine worker %d was killed (SIGKILL: out of memory, the health check "
+                      "or an operator)", proc.pid)
         self._fail_jobs(f"the engine worker died ({why}); it is being restarted")
         if self.state == "failed":
+            return
+        if self.state in ("loading", "restarting"):
+            self._load_failures += 1
+        if self._load_failures >= MAX_LOAD_FAILURES:
+            last = self._stderr[-1] if self._stderr else "no output"
+            self.info["error"] = (f"the engine worker died {self._load_failures} times while "
+                                  f"loading {self.model} (last: {why}; its last words: {last})")
+            log.error("engine failed: %s", self.info["error"])
+            self._set_state("failed")
             return
         delay = BACKOFF_S[min(self._restarts, len(BACKOFF_S) - 1)]
         self._restarts += 1
@@ -251,6 +290,22 @@ class EngineHost:
         await asyncio.sleep(delay)
         if not self._stopping:
             await self._spawn()
+
+    async def _forward_stderr(self, proc: asyncio.subprocess.Process) -> None:
+        """The worker's stderr (llama.cpp's warnings, a traceback) into the daemon's log; the
+        last lines are kept for the reason of a failure."""
+        assert proc.stderr is not None
+        while True:
+            try:
+                line = await proc.stderr.readline()
+            except ValueError:  # a line over the limit: keep reading what follows
+                continue
+            if not line:
+                return
+            text = line.decode(errors="replace").rstrip()
+            if text:
+                self._stderr.append(text[:500])
+                log.warning("engine worker: %s", text[:2000])
 
     def _event(self, event: dict[str, Any]) -> None:
         kind = event["ev"]
@@ -266,14 +321,22 @@ class EngineHost:
         elif kind == "ready":
             self.info = {k: v for k, v in event.items() if k != "ev"}
             self._restarts = 0
+            self._load_failures = 0
             log.info("engine ready: %s as %s (%s) on %s (%s), %d thread(s)", event["model"],
                      event["dtype"], event["dtype_reason"], event.get("backend", "?"),
                      event.get("backend_reason", ""), event["threads"])
             self._set_state("ready")
             self._changed(["Model", "Threads"])
         elif kind == "token":
+            job = self.jobs.get(event["job"])
+            if job is not None:
+                job.split.feed(event["piece"])
             for listener in self.token_listeners:
                 _call(listener, event["job"], event["piece"])
+        elif kind == "text":
+            job = self.jobs.get(event["job"])
+            if job is not None:
+                job.text.append(event["chunk"])
         elif kind == "finished":
             self._finish(event)
         elif kind == "error":
@@ -289,14 +352,19 @@ class EngineHost:
 
     def _finish(self, event: dict[str, Any]) -> None:
         job = self.jobs.pop(event["job"], None)
-        stats = {**event["stats"], "reasoning": event["reasoning"], "answer": event["answer"]}
+        stats = dict(event["stats"])
+        text = ""
+        if job is not None:
+            job.split.finish()
+            stats["reasoning"], stats["answer"] = job.split.reasoning_text, job.split.answer_text
+            text = "".join(job.text)
         if stats.get("decode_tokens_per_s"):
             self.tokens_per_s = float(stats["decode_tokens_per_s"])
             self._changed(["TokensPerSecond"])
         for listener in self.finished_listeners:
             _call(listener, event["job"], stats)
         if job and not job.done.done():
-            job.done.set_result({"text": event["text"], "stats": stats})
+            job.done.set_result({"text": text, "stats": stats})
         self._idle_if_done()
 
     def _error(self, event: dict[str, Any]) -> None:
@@ -329,10 +397,10 @@ class EngineHost:
     async def _health(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(PING_INTERVAL_S)
+            await asyncio.sleep(self.ping_timeout_s / 3)
             if self.state not in ("ready", "busy") or self._proc is None:
                 continue
-            if loop.time() - self._last_pong > PING_TIMEOUT_S:
+            if loop.time() - self._last_pong > self.ping_timeout_s:
                 log.error("engine worker %d stopped answering pings; killing it", self._proc.pid)
                 self._proc.kill()
                 continue

@@ -28,7 +28,7 @@ from .mitigator import Mitigator
 from .notify import notify, setup_logging, watchdog_interval_s
 from .plugin_manager import PluginError
 from .profiles import ProfileError, UnknownProfile
-from .state import JournalError
+from .state import JournalBusy, JournalError, OwnerLock
 from .telemetry_sources import Sampler, collect_sources
 from .tuning import ApplyFailed, TuningError
 
@@ -71,6 +71,13 @@ class Daemon:
         except PluginError as exc:
             bus.disconnect()
             return self._fail(f"configuration rejected: {exc}", EXIT_CONFIG)
+        # One writer: held until this process ends (the kernel drops it if the daemon dies).
+        lock = OwnerLock(manager.core.journal.path)
+        try:
+            lock.acquire("the dsr1d daemon")
+        except (JournalBusy, OSError) as exc:
+            bus.disconnect()
+            return self._fail(f"cannot start: {exc}", 1)
         # Exported before the name is taken, so no caller ever finds the name without objects;
         # start() below runs before the loop can dispatch any call.
         dispatcher = Dispatcher(bus)
@@ -115,6 +122,7 @@ class Daemon:
         if self.engine is not None:
             await self.engine.stop()
         failed = manager.stop()
+        lock.release()
         if lost:
             # Never run nameless: every knob is back, and a non-zero exit lets Restart= bring
             # the daemon back onto the bus.
@@ -219,7 +227,8 @@ class Daemon:
         host = EngineHost(Path(config.model), config.engine_dtype, config.engine_threads,
                           config.engine_cpus, backend=config.engine_backend,
                           cache_dir=Path(config.engine_cache_dir), context=config.engine_context,
-                          mmap=config.engine_mmap, root=config.root)
+                          mmap=config.engine_mmap, root=config.root,
+                          ping_timeout_s=config.engine_ping_timeout_s)
         cookie: list[int] = []
 
         def busy(now_busy: bool) -> None:

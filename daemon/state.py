@@ -8,6 +8,7 @@ replayed onto the real machine. A journal that cannot be read is never overwritt
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -21,6 +22,54 @@ FORMAT = 1
 
 class JournalError(Exception):
     """The journal is corrupt or belongs to another root; it was left untouched."""
+
+
+class JournalBusy(Exception):
+    """Another process (the daemon, or another admin command) owns the journal."""
+
+
+class OwnerLock:
+    """One writer: an exclusive ``flock`` on ``<journal>.lock``, held by the daemon for its
+    whole run and by an admin command while it applies or restores. The kernel drops it when
+    its holder dies, so a crash never leaves it taken (``ExecStopPost``'s restore gets it).
+    The file names its holder, and is removed on release."""
+
+    def __init__(self, journal: Path) -> None:
+        self.path = journal.with_name(journal.name + ".lock")
+        self._fd: int | None = None
+
+    def acquire(self, who: str) -> None:
+        """Take the lock, or JournalBusy naming who holds it."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+                os.close(fd)
+                raise JournalBusy(f"{holder or 'another process'} owns "
+                                  f"{self.path.with_suffix('')}") from None
+            # The holder before us may have removed the file between our open and our lock:
+            # then we locked a file nobody else will see; try again on the one at the path.
+            if self._same_file(fd):
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{who} (pid {os.getpid()})\n".encode(), 0)
+        self._fd = fd
+
+    def _same_file(self, fd: int) -> bool:
+        try:
+            return os.stat(self.path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            return False
+
+    def release(self) -> None:
+        if self._fd is not None:
+            self.path.unlink(missing_ok=True)
+            os.close(self._fd)
+            self._fd = None
 
 
 @dataclass

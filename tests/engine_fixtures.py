@@ -216,7 +216,8 @@ class EngineDaemon:
         self.daemon.cleanup()
 
 
-def daemon_config(path: Path, model: Path | None, backend: str = "torch") -> Path:
+def daemon_config(path: Path, model: Path | None, backend: str = "torch",
+                  extra: tuple[str, ...] | list[str] = ()) -> Path:
     """``sustained`` at start; with a model: the torch backend in fp32 (or ``backend``), 2
     threads, ``throughput`` while generating, conversions cached beside the config."""
     lines = ["[daemon]", "default_profile = sustained", "telemetry_interval_s = 1.0"]
@@ -224,7 +225,7 @@ def daemon_config(path: Path, model: Path | None, backend: str = "torch") -> Pat
         dtype = "fp32" if backend == "torch" else "auto"
         lines += [f"model = {model}", f"engine_dtype = {dtype}", "engine_threads = 2",
                   "engine_profile = throughput", f"engine_backend = {backend}",
-                  f"engine_cache_dir = {path.parent / 'cache'}"]
+                  f"engine_cache_dir = {path.parent / 'cache'}", *extra]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -237,14 +238,15 @@ def needs_bus() -> None:
 @contextmanager
 def engine_daemon_running(workdir: Path, model: Path | None,
                           policies: tuple[Path, ...] = (POLICY,),
-                          backend: str = "torch") -> Iterator[EngineDaemon]:
+                          backend: str = "torch",
+                          extra_config: tuple[str, ...] | list[str] = ()) -> Iterator[EngineDaemon]:
     """A daemon on its own private bus, answering on entry (``ActiveProfile`` reads), stopped on
     exit; the engine may still be loading (``wait_state("ready")``). ``model=None``: no engine
     configured."""
     needs_bus()
     pytest.importorskip("dbus_fast")
     fake = intel_box(workdir / "root")
-    config = daemon_config(workdir / "dsr1d.conf", model, backend)
+    config = daemon_config(workdir / "dsr1d.conf", model, backend, extra_config)
     with PrivateBus(policies) as bus:
         # No notify socket: the daemon sends STATUS= on every profile change, and a test socket
         # that nobody reads fills up (max_dgram_qlen) and then blocks the daemon in sd_notify.

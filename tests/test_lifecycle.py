@@ -13,6 +13,7 @@ import pytest
 
 pytest.register_assert_rewrite("daemon_fixtures")
 from conftest import run_dsr1d  # noqa: E402
+from fakeroot import intel_box  # noqa: E402
 from daemon_fixtures import (BUILTINS, EPB, ERROR, SUSTAINED_EPB, active, dbus_send,  # noqa: E402
                              error_of, eventually, journal, knobs, manager_call, manager_data,
                              prop, write_profile)
@@ -131,13 +132,15 @@ def test_restart_after_sigkill_recovers_the_journal_first(start_daemon, bus, fak
     assert not journal(fake).exists()
 
 
-def test_second_daemon_on_the_same_bus_exits_1(start_daemon, bus, fake):
+def test_second_daemon_on_the_same_bus_exits_1(start_daemon, bus, fake, tmp_path):
     first = start_daemon()
     switch(bus, "latency")
     during = knobs(fake)
     journal_text = journal(fake).read_text()
 
-    second = start_daemon(ready=False)
+    # Another machine's root (so another journal, not locked): the bus name is what stops it.
+    other = intel_box(tmp_path / "other-root")
+    second = start_daemon(ready=False, root=other)
     assert second.wait() == 1, second.log()
     assert "org.dsr1d is already owned" in second.log()
     assert first.running()

@@ -14,9 +14,12 @@ Worker -> daemon: ``{"ev": "loading", "done": b, "total": b, "file": "…"}``,
 ``{"ev": "ready", "model": "…", "dtype": "…", "dtype_reason": "…", "threads": n,
 "parameters": n, "context": n, "backend": "…", "backend_reason": "…"}`` (llama.cpp adds
 ``gguf``, ``system_info`` and ``weights``), ``{"ev": "token", "job": 1, "piece": "…"}`` (raw text,
-``</think>`` included), ``{"ev": "finished", "job": 1, "text": "…", "reasoning": "…", "answer": "…",
-"stats": {…}}``, ``{"ev": "error", "job": 1|null, "name": "…", "message": "…"}``,
-``{"ev": "pong"}``. A fatal load error is an ``error`` with ``job`` null, then exit 2.
+``</think>`` included), then ``{"ev": "text", "job": 1, "chunk": "…"}`` (the final text, special
+tokens left out, in pieces of at most TEXT_CHUNK characters, so that no line is unbounded) and
+``{"ev": "finished", "job": 1, "stats": {…}}``; ``{"ev": "error", "job": 1|null, "name": "…",
+"message": "…"}``, ``{"ev": "pong"}``. A fatal load error — any exception while loading, which
+would recur on every restart — is an ``error`` with ``job`` null, then exit 2. Any line longer
+than the daemon's limit, or garbage, makes the daemon treat the worker as dead.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import queue
 import socket
 import sys
 import threading
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,9 @@ from typing import Any
 # llama.cpp's buffers glibc does the same (GLIBC_TUNABLES=glibc.malloc.hugetlb=1, which must be in
 # the environment when the process starts: EngineHost sets it).
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
+TEXT_CHUNK = 16384  # characters of result text per line
 
 
 class Channel:
@@ -97,8 +104,12 @@ class Worker:
             except InvalidRequest as exc:
                 self.channel.send(ev="error", job=job_id, name="InvalidArgument", message=str(exc))
                 continue
-            self.channel.send(ev="finished", job=job_id, text=result.text,
-                              reasoning=result.reasoning, answer=result.answer, stats=result.stats)
+            # The text goes in chunks so that no line is unbounded (R1 reasons for thousands of
+            # tokens); the daemon splits reasoning from answer from the tokens it streamed.
+            for start in range(0, len(result.text), TEXT_CHUNK):
+                self.channel.send(ev="text", job=job_id,
+                                  chunk=result.text[start:start + TEXT_CHUNK])
+            self.channel.send(ev="finished", job=job_id, stats=result.stats)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -188,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
             generator, ready = _load_llama(args, channel, choice)
     except ModelError as exc:
         channel.send(ev="error", job=None, name="ModelError", message=str(exc))
+        return 2
+    except Exception as exc:  # e.g. a config.json with wrong types: it would fail every time
+        traceback.print_exc()
+        channel.send(ev="error", job=None, name="ModelError",
+                     message=f"loading {args.model} failed: {type(exc).__name__}: {exc}"[:2000])
         return 2
     channel.send(ev="ready", **ready)
     worker.serve(generator)
