@@ -135,6 +135,9 @@ def cmd_restore(core: Core, args: argparse.Namespace) -> int:
         restored, errors = core.tuner.restore()
     for change in restored:
         print(f"  {change.tunable:10} restored {change.where}: {change.current} -> {change.wanted}")
+    for knob in core.tuner.vanished:
+        print(f"dsr1d: note: {knob} no longer exists (a CPU unplugged?): nothing to restore "
+              f"there", file=sys.stderr)
     for error in errors:
         print(f"dsr1d: {error}", file=sys.stderr)
     if errors:

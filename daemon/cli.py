@@ -19,6 +19,7 @@ from typing import Any
 from dbus_fast import BusType, Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
+from . import __version__
 from .table import render
 
 BUS_NAME, PATH, MANAGER = "org.dsr1d", "/org/dsr1d", "org.dsr1d.Manager1"
@@ -195,7 +196,7 @@ async def cmd_watch(client: Client, args: argparse.Namespace) -> int:
                 f"throttle {props['ThrottleState']}  {_telemetry_line(t)}")
         if tty:
             per_cpu = t.get("cpu_util_percent", [])
-            mhz = t.get("cpu_freq_mhz", [None] * len(per_cpu))
+            mhz = t.get("cpu_mhz", [None] * len(per_cpu))
             rows = [(f"cpu{i}", f"{u:.0f}%", f"{m:.0f}" if m else "-")
                     for i, (u, m) in enumerate(zip(per_cpu, mhz))]
             sys.stdout.write("\033[H\033[2J" + line + "\n\n"
@@ -364,20 +365,31 @@ async def cmd_plot(client: Client | None, args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_reload(client: Client, args: argparse.Namespace) -> int:
+    await client.call("Reload", "")
+    print("reloaded")
+    return 0
+
+
 COMMANDS = {"status": cmd_status, "generate": cmd_generate, "list": cmd_list, "profile": cmd_profile,
             "verify": cmd_verify, "hold": cmd_hold, "watch": cmd_watch, "record": cmd_record,
-            "plot": cmd_plot}
+            "plot": cmd_plot, "reload": cmd_reload}
 
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="dsr1ctl", description="control the dsr1d daemon")
+    top.add_argument("--version", action="version", version=f"dsr1ctl {__version__}")
     top.add_argument("--bus-address", default=os.environ.get("DSR1D_BUS_ADDRESS"),
                      help="D-Bus address (default: the system bus)")
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("status", help="active profile, holds, tunables, telemetry")
     sub.add_parser("list", help="the profiles (* = active)")
-    profile = sub.add_parser("profile", help="switch to a profile (cancels holds)")
+    profile = sub.add_parser("profile", help="switch to a profile (cancels holds); the active "
+                             "one is re-applied, which repairs drift")
     profile.add_argument("name")
+    profile.add_argument("--reapply", action="store_true",
+                         help="say it: re-apply even if NAME is active (always done)")
+    sub.add_parser("reload", help="re-read the daemon's configuration and profiles")
     sub.add_parser("verify", help="compare every knob with the active profile")
     hold = sub.add_parser("hold", help="hold a profile while a command runs")
     hold.add_argument("profile")
@@ -439,9 +451,14 @@ def main(argv: list[str] | None = None) -> int:
     if split < len(argv):
         args.command_line = argv[split + 1:]
     try:
-        return asyncio.run(_main(args))
+        code = asyncio.run(_main(args))
+        sys.stdout.flush()  # here, where a closed pipe can still be caught
+        return code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `dsr1ctl status | head -2`: the reader left, and that is fine
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -301,6 +301,7 @@ class Dispatcher:
             if asyncio.iscoroutine(result):
                 result = await result
             reply = Message.new_method_return(msg, method.out_sig, method.body(result))
+            reply._marshall(False)  # here, so that a reply that cannot be encoded gets an error
         except Exception as exc:
             name, text = error_reply(exc)
             if name == ERROR + "Internal":

@@ -133,8 +133,12 @@ class EngineHost:
         self.context = context
         self.mmap = mmap
         self.root = root
-        self.threads = threads or physical_cores()
+        self._wanted_threads = threads
+        self.thread_cap: int | None = None
         self.cpus = cpus
+        self._cores = 1
+        self._placement()                    # sets _cores; again at each spawn (hotplug)
+        self.threads = self.effective_threads()
         self.python = python
         self.state = "stopped"
         self.info: dict[str, Any] = {}
@@ -181,8 +185,9 @@ class EngineHost:
         self._set_state("loading")
         self.info.pop("converted_tenths", None)
         placement = self._placement()
+        self.threads = self.effective_threads()
         args = ["--fd", str(child.fileno()), "--model", str(self.model), "--dtype", self.dtype,
-                "--threads", str(placement.threads), "--backend", self.backend,
+                "--threads", str(self.threads), "--backend", self.backend,
                 "--cache-dir", str(self.cache_dir), "--context", str(self.context)]
         if self.mmap:
             args.append("--mmap")
@@ -193,7 +198,6 @@ class EngineHost:
             pass_fds=(child.fileno(),), stdin=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE, limit=LINE_LIMIT)
         child.close()
-        self.threads = placement.threads
         try:
             if placement.cpus:
                 os.sched_setaffinity(self._proc.pid, placement.cpus)
@@ -204,14 +208,17 @@ class EngineHost:
         self._stderr.clear()
         self._spawn_task(self._read(reader, self._proc))
         self._spawn_task(self._forward_stderr(self._proc))
-        log.info("engine worker %d started: %s, backend %s, dtype %s; %s", self._proc.pid,
-                 self.model, self.backend, self.dtype, describe(placement))
+        log.info("engine worker %d started: %s, backend %s, dtype %s, %d thread(s); %s",
+                 self._proc.pid, self.model, self.backend, self.dtype, self.threads,
+                 describe(placement))
 
     def _placement(self) -> Placement:
-        """One thread per physical core of one NUMA node, within engine_cpus."""
-        topology = read_topology(SysRoot(self.root))
-        affinity = sorted(os.sched_getaffinity(0))
-        return plan(topology, self.cpus, self.threads, affinity)
+        """One CPU per physical core of one NUMA node, within engine_cpus: the worker is pinned
+        to all of them, and runs the effective thread count (which may change) on them."""
+        placement = plan(read_topology(SysRoot(self.root)), self.cpus, 0,
+                         sorted(os.sched_getaffinity(0)))
+        self._cores = max(1, len(placement.cpus) or placement.threads)
+        return placement
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -239,11 +246,32 @@ class EngineHost:
             raise InvalidArgument(f"no running or queued job {job_id}")
         await self._send(op="cancel", job=job_id)
 
-    async def set_threads(self, threads: int) -> None:
-        """Change the decode thread count; a running job picks it up before its next token."""
-        self.threads = threads or physical_cores()
+    async def set_profile_threads(self, threads: int) -> None:
+        """The profile's (or config's) wish, 0 = one per physical core of the placement."""
+        self._wanted_threads = threads
+        await self._apply_threads()
+
+    async def set_thread_cap(self, cap: int | None) -> None:
+        """The mitigation controller's ceiling on threads (None: no ceiling)."""
+        self.thread_cap = cap
+        await self._apply_threads()
+
+    def effective_threads(self) -> int:
+        """The one place the thread count is decided: the profile's wish, within the
+        placement's cores, under the controller's cap."""
+        wanted = self._wanted_threads or self._cores
+        if self.thread_cap is not None:
+            wanted = min(wanted, self.thread_cap)
+        return max(1, min(wanted, self._cores))
+
+    async def _apply_threads(self) -> None:
+        """A running job picks a change up before its next token."""
+        threads = self.effective_threads()
+        if threads == self.threads:
+            return
+        self.threads = threads
         if self._writer is not None and self.state in ("ready", "busy"):
-            await self._send(op="threads", n=self.threads)
+            await self._send(op="threads", n=threads)
         self._changed(["Threads"])
 
     # -- worker events -----------------------------------------------------------------------

@@ -29,6 +29,10 @@ class Knob(Protocol):
 
     def write(self, root: SysRoot, value: str) -> None: ...
 
+    def exists(self, root: SysRoot) -> bool:
+        """False when the knob is gone (its CPU was unplugged, its driver unloaded)."""
+        ...
+
 
 def holds(knob: Knob, root: SysRoot, wanted: str) -> bool:
     """Whether ``knob`` currently gives what ``wanted`` asks for."""
@@ -54,6 +58,9 @@ class FileKnob:
 
     def write(self, root: SysRoot, value: str) -> None:
         root.write(self.path, value)
+
+    def exists(self, root: SysRoot) -> bool:
+        return root.exists(self.path)
 
 
 _SELECTED = re.compile(r"\[([^\]]+)\]")
@@ -95,6 +102,9 @@ class MsrKnob:
     def read(self, root: SysRoot) -> str:
         return str((root.read_msr(self.cpu, self.reg) & self.mask) >> self.shift)
 
+    def exists(self, root: SysRoot) -> bool:
+        return root.exists(root.msr_path(self.cpu))
+
     def write(self, root: SysRoot, value: str) -> None:
         bits = (int(value) << self.shift) & self.mask
         old = root.read_msr(self.cpu, self.reg)
@@ -122,6 +132,9 @@ class PmQosKnob:
         held = root.pm_qos_held()
         return NO_REQUEST if held is None else str(held)
 
+    def exists(self, root: SysRoot) -> bool:
+        return True  # the request is this process's, whatever the device does
+
     def satisfies(self, root: SysRoot, wanted: str) -> bool:
         """True when some process's request keeps the effective limit at or below ``wanted``."""
         if wanted == NO_REQUEST:
@@ -135,13 +148,19 @@ class PmQosKnob:
             root.pm_qos_hold(int(value))
 
 
+def _check_relative(key: str, path: str) -> None:
+    """A journaled path stays inside the root: relative, no ``..``, under sys/, proc/ or dev/."""
+    parts = path.split("/")
+    if not path or path.startswith("/") or ".." in parts or parts[0] not in ("sys", "proc", "dev"):
+        raise ValueError(f"knob key {key!r} points outside the hardware root")
+
+
 def knob_from_key(key: str) -> Knob:
     """Rebuild a knob from its journal key; ValueError for a key no knob type makes."""
     kind, _, rest = key.partition(":")
-    if kind == "file" and rest:
-        return FileKnob(rest)
-    if kind == "select" and rest:
-        return SelectKnob(rest)
+    if kind in ("file", "select"):
+        _check_relative(key, rest)
+        return FileKnob(rest) if kind == "file" else SelectKnob(rest)
     if kind == "msr":
         cpu, reg, mask = rest.split(":")
         return MsrKnob(int(cpu), int(reg, 16), int(mask, 16))

@@ -62,10 +62,14 @@ class Manager:
     def __init__(self, core: Core, config: Config) -> None:
         self.core = core
         self.config = config
+        core.tuner.undo_advice = ("switch again to retry (`dsr1ctl profile NAME`), or restart "
+                                  "the daemon (`systemctl restart dsr1d`), which restores every "
+                                  "knob")
         self.profiles: dict[str, Profile] = {}
         self.selected = config.default_profile
         self.selected_by_hand = False
         self.active: str | None = None
+        self.unsettled = False  # a failed switch could not undo all of its writes
         self.holds: list[Hold] = []
         self.tunables: list[TunableInfo] = []
         self.overlays: dict[str, dict[str, dict]] = {}
@@ -98,6 +102,7 @@ class Manager:
         for change in restored:
             log.info("recovered %s: %s -> %s", change.where, change.current, change.wanted,
                      extra={"TUNABLE": change.tunable})
+        self._log_vanished()
         if errors:
             raise ApplyFailed(errors[0], None, errors[1:])
 
@@ -105,12 +110,16 @@ class Manager:
         """Restore every knob; returns how many could not be restored."""
         restored, errors = self.core.tuner.restore()
         log.info("stopped: restored %d knob(s)", len(restored))
+        self._log_vanished()
         for error in errors:
             log.error("not restored: %s", error)
         return len(errors)
 
-    def reload(self, config: Config | None = None) -> list[ProfileError]:
-        """Reload profiles (and a new config); broken profiles keep their previous version."""
+    def reload(self, config: Config | None = None,
+               loaded: tuple[dict[str, Profile], list[ProfileError]] | None = None
+               ) -> list[ProfileError]:
+        """Reload profiles (and a new config); broken profiles keep their previous version.
+        ``loaded`` is ``core.store.load_all()`` done beforehand (off the event loop)."""
         errors: list[ProfileError] = []
         if config is not None:
             if (config.root, config.journal, config.profiles_dir) != (
@@ -120,7 +129,7 @@ class Manager:
             if not self.selected_by_hand:
                 self.selected = config.default_profile
         previous = self.profiles
-        self.profiles = self._load_profiles(previous=previous, errors=errors)
+        self.profiles = self._load_profiles(previous=previous, errors=errors, loaded=loaded)
         for name in {self.wanted(), self.active} - set(self.profiles) - {None}:
             log.error("profile %s no longer exists; keeping the loaded version while it is "
                       "in use", name)
@@ -138,7 +147,9 @@ class Manager:
     def switch(self, name: str) -> None:
         """Switch by hand: cancels every hold. All or nothing."""
         profile = self._profile(name)
-        self._apply(profile, "manual")
+        # Always re-applied, also when already active: that is how drift or a half-undone
+        # switch is repaired (`dsr1ctl profile NAME`).
+        self._apply(profile, "manual", force=True)
         self.selected, self.selected_by_hand = name, True
         if self.holds:
             log.info("manual switch to %s cancels %d hold(s)", name, len(self.holds))
@@ -166,13 +177,18 @@ class Manager:
         return cookie
 
     def release(self, cookie: int, owner: str) -> None:
-        """Release a hold made by ``owner``."""
+        """Release a hold made by ``owner``. If switching back fails, the hold stays (its
+        profile is still what is applied) and ApplyFailed says why."""
         hold = next((h for h in self.holds if h.cookie == cookie), None)
         if hold is None:
             raise HoldError("NoSuchHold", f"no hold with cookie {cookie}")
         if hold.owner != owner:
             raise HoldError("NotHolder", f"hold {cookie} belongs to another client")
-        self._drop([hold], f"hold {cookie} released")
+        rest = [h for h in self.holds if h is not hold]
+        wanted = rest[-1].profile if rest else self.selected
+        self._apply(self._profile(wanted), f"hold {cookie} released")
+        self.holds = rest
+        self._changed(["Holds"])
 
     def release_owner(self, owner: str) -> None:
         """Release every hold of a client that left the bus."""
@@ -205,8 +221,10 @@ class Manager:
         return self.profiles[name]
 
     def _load_profiles(self, previous: dict[str, Profile],
-                       errors: list[ProfileError] | None = None) -> dict[str, Profile]:
-        loaded, broken = self.core.store.load_all()
+                       errors: list[ProfileError] | None = None,
+                       loaded: tuple[dict[str, Profile], list[ProfileError]] | None = None
+                       ) -> dict[str, Profile]:
+        loaded, broken = loaded or self.core.store.load_all()
         for error in broken:
             name = error.file.rsplit("/", 1)[-1].removesuffix(".conf")
             kept = " (keeping the previous version)" if name in previous else ""
@@ -246,9 +264,16 @@ class Manager:
         return replace(profile, sections=sections)
 
     def _apply(self, profile: Profile, reason: str, force: bool = False) -> None:
-        if profile.name == self.active and not force:
+        if profile.name == self.active and not force and not self.unsettled:
             return
-        plan = self.core.tuner.switch(self._effective(profile))
+        try:
+            plan = self.core.tuner.switch(self._effective(profile))
+        except ApplyFailed as exc:
+            # Undo failed too: the knobs are neither the old profile nor the new one, so the
+            # next switch re-applies even the profile that looks active.
+            self.unsettled = self.unsettled or bool(exc.undo_errors)
+            raise
+        self.unsettled = False
         old, self.active = self.active, profile.name
         log.info("profile %s applied (%s): %d write(s), %d unsupported, %d skipped", profile.name,
                  reason, len(plan.writes), len(plan.unsupported), len(plan.skips),
@@ -268,6 +293,11 @@ class Manager:
             self._apply(self._profile(self.wanted()), reason)
         except (ApplyFailed, UnknownProfile) as exc:
             log.error("could not switch back after %s: %s", reason, exc)
+
+    def _log_vanished(self) -> None:
+        for knob in self.core.tuner.vanished:
+            log.warning("journaled knob %s no longer exists (a CPU unplugged, a driver "
+                        "unloaded?): nothing to restore there, skipped", knob)
 
     def _changed(self, names: list[str]) -> None:
         for listener in self.change_listeners:

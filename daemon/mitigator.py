@@ -48,7 +48,7 @@ def overlay_for(action: Action) -> dict[str, dict] | None:
 class Mitigator:
     """Runs the controller on every sample and applies what it decides."""
 
-    def __init__(self, manager: Manager, set_threads: Callable[[int], Any] | None = None,
+    def __init__(self, manager: Manager, set_threads: Callable[[int | None], Any] | None = None,
                  threads: Callable[[], int] | None = None) -> None:
         self.manager = manager
         self.set_threads = set_threads
@@ -116,13 +116,15 @@ class Mitigator:
     def _threads(self, action: Action) -> None:
         if self.set_threads is None or self.threads is None:
             return
+        # The rung is a cap on the engine's threads, combined with the profile's count in
+        # EngineHost.effective_threads: a profile change cannot undo it behind its back.
         if action.kind == "apply":
             current = self.threads()
             if self.threads_before is None:
                 self.threads_before = current
             self.set_threads(max(1, current + int(action.params.get("threads_delta", -1))))
         elif self.threads_before is not None:
-            self.set_threads(self.threads_before)
+            self.set_threads(None)
             self.threads_before = None
 
     def _lift_all(self, reason: str) -> None:

@@ -9,7 +9,9 @@ and rejects the whole profile.
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +20,7 @@ from typing import Any
 from .schema import Schema, boolean, choice, integer, option, word_list
 
 SUFFIX = ".conf"
+MAX_FILE_BYTES = 1 << 20
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 MAIN_SCHEMA: Schema = {
@@ -97,17 +100,14 @@ def parse_ini(path: Path) -> Sections:
     """Parse an INI file keeping ``file:line`` for every value; ProfileError on bad syntax."""
     sections: Sections = {}
     current: dict[str, Entry] | None = None
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ProfileError(path, 0, f"cannot read: {exc}") from None
+    text = read_text_file(path)
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         if not line or line[0] in "#;":
             continue
         if line.startswith("["):
             if not line.endswith("]") or len(line) < 3:
-                raise ProfileError(path, number, f"malformed section header {line!r}")
+                raise ProfileError(path, number, "malformed section header (expected [name])")
             name = line[1:-1].strip()
             if name in sections:
                 raise ProfileError(path, number, f"section [{name}] appears twice")
@@ -115,7 +115,8 @@ def parse_ini(path: Path) -> Sections:
             continue
         key, sep, value = line.partition("=")
         if not sep:
-            raise ProfileError(path, number, f"expected 'key = value', got {line!r}")
+            raise ProfileError(path, number, "expected 'key = value' or a [section] (the line "
+                                             "is not quoted: it may be a secret)")
         if current is None:
             raise ProfileError(path, number, "a key before any [section]")
         key = key.strip()
@@ -225,8 +226,37 @@ def _include_names(include: Entry | None) -> list[str]:
         raise ProfileError(include.file, include.line, "include: expected profile names") from None
 
 
+def read_text_file(path: Path, limit: int = MAX_FILE_BYTES) -> str:
+    """A configuration or profile file's text: a regular file (never a FIFO, a device or a
+    directory, which could hang the daemon or feed it forever), at most ``limit`` bytes, UTF-8,
+    no NUL byte. ProfileError says what is wrong without quoting the content."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ProfileError(path, 0, f"cannot read: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ProfileError(path, 0, "not a regular file")
+        if info.st_size > limit:
+            raise ProfileError(path, 0, f"larger than {limit} bytes")
+        data = os.read(fd, limit + 1)
+    except OSError as exc:
+        raise ProfileError(path, 0, f"cannot read: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ProfileError(path, 0, f"larger than {limit} bytes")
+    if b"\0" in data:
+        raise ProfileError(path, 0, "contains a NUL byte")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProfileError(path, 0, f"not UTF-8 text (byte {exc.start})") from None
+
+
 def section_line(path: Path, section: str) -> int:
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(read_text_file(path).splitlines(), start=1):
         text = line.strip()
         if text.startswith("[") and text.endswith("]") and text[1:-1].strip() == section:
             return number

@@ -22,7 +22,7 @@ from dbus_fast import NameFlag, RequestNameReply
 from .config import DEFAULT_PATH, Config, load_config
 from .context import build_core
 from .dbus_api import BUS_NAME, Dispatcher, EngineService, ManagerService, connect, neighbours
-from .engine_host import EngineHost, physical_cores
+from .engine_host import EngineHost
 from .manager import Manager
 from .mitigator import Mitigator
 from .notify import notify, setup_logging, watchdog_interval_s
@@ -152,30 +152,48 @@ class Daemon:
         notify(RELOADING="1", MONOTONIC_USEC=str(time.monotonic_ns() // 1000))
         config: Config | None = None
         errors: list[ProfileError] = []
+        # Files are read in a thread: the control plane keeps answering while they are.
         try:
-            config = _load(self.config_path, self.overrides)
+            config = await asyncio.to_thread(_load, self.config_path, self.overrides)
         except ProfileError as exc:
             log.error("configuration rejected on reload, keeping the previous one: %s", exc)
             errors.append(exc)
+        loaded = await asyncio.to_thread(self.manager.core.store.load_all)
         try:
-            errors += self.manager.reload(config)
+            errors += self.manager.reload(config, loaded)
         except (ApplyFailed, TuningError) as exc:
             log.error("reload could not re-apply %s: %s", self.manager.active, exc)
-        if self.engine is not None:
-            self._sync_threads()
-            restart = False
-            for key in ("dtype", "backend"):
-                old, new = getattr(self.engine, key), engine_setting(self.manager.config,
-                                                                     self.manager, key)
-                if new != old:
-                    log.info("engine %s %s -> %s: restarting the engine", key, old, new)
-                    setattr(self.engine, key, new)
-                    restart = True
-            if restart:
-                await self.engine.stop()
-                await self.engine.start()
+        await self._reload_engine(self.manager.config)
         notify(READY="1", STATUS=self.manager.status_line())
         return errors
+
+    async def _reload_engine(self, config: Config) -> None:
+        """Engine settings that changed on reload restart the worker with them; adding or
+        removing the model needs a restart of the daemon, and the log says so."""
+        if self.engine is None:
+            if config.model:
+                log.warning("model= is now set: the engine starts at the next restart "
+                            "(systemctl restart dsr1d)")
+            return
+        if not config.model:
+            log.warning("model= was removed: the engine keeps serving until the next restart "
+                        "(systemctl restart dsr1d)")
+            return
+        self._sync_threads()
+        wanted = {"model": Path(config.model), "dtype": engine_setting(config, self.manager,
+                                                                      "dtype"),
+                  "backend": engine_setting(config, self.manager, "backend"),
+                  "cache_dir": Path(config.engine_cache_dir), "context": config.engine_context,
+                  "mmap": config.engine_mmap, "cpus": config.engine_cpus,
+                  "ping_timeout_s": config.engine_ping_timeout_s}
+        changed = [k for k, v in wanted.items() if getattr(self.engine, k) != v]
+        for key in changed:
+            log.info("engine %s %s -> %s: restarting the engine", key,
+                     getattr(self.engine, key), wanted[key])
+            setattr(self.engine, key, wanted[key])
+        if changed:
+            await self.engine.stop()
+            await self.engine.start()
 
     def telemetry(self) -> dict:
         """GetTelemetry: the latest sample (taken now if the sampler has not run yet)."""
@@ -205,7 +223,8 @@ class Daemon:
         engine = self.engine
         mitigator = Mitigator(
             manager,
-            set_threads=(lambda n: asyncio.get_running_loop().create_task(engine.set_threads(n)))
+            set_threads=(lambda n: asyncio.get_running_loop().create_task(
+                engine.set_thread_cap(n)))
             if engine else None,
             threads=(lambda: engine.threads) if engine else None)
 
@@ -248,8 +267,7 @@ class Daemon:
                 return
             wanted = manager.profiles[manager.active].sections.get("engine", {}).get("threads") \
                 or config.engine_threads
-            if (wanted or physical_cores()) != host.threads:
-                asyncio.get_running_loop().create_task(host.set_threads(wanted))
+            asyncio.get_running_loop().create_task(host.set_profile_threads(wanted))
 
         self._sync_threads = profile_threads
 

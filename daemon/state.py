@@ -155,9 +155,19 @@ class Journal:
             os.close(fd)
         os.replace(tmp, self.path)
         _fsync_dir(self.path.parent)
+        self._remove_stale_temporaries()
+
+    def _remove_stale_temporaries(self) -> None:
+        """Temporary files of writers killed between writing and renaming them."""
+        for tmp in self.path.parent.glob(f".{self.path.name}.*.tmp"):
+            pid = tmp.name.rsplit(".", 2)[-2]
+            if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+                tmp.unlink(missing_ok=True)
 
     def remove(self) -> None:
         """Delete the journal (after everything it lists has been restored)."""
+        if self.path.parent.is_dir():
+            self._remove_stale_temporaries()
         try:
             self.path.unlink()
         except FileNotFoundError:

@@ -14,7 +14,7 @@ from typing import Callable
 
 from .knobs import holds, knob_from_key
 from .profiles import Profile
-from .state import Journal, JournalState, Original
+from .state import Journal, JournalError, JournalState, Original
 from .sysroot import KnobError, SysRoot
 from .tunable import Setting, Skip, Support, Tunable, TunableInfo
 
@@ -75,18 +75,27 @@ class TuningError(Exception):
     """A profile could not be planned (a knob could not be read); nothing was written."""
 
 
-class ApplyFailed(Exception):
-    """A write failed; this switch's writes were undone (see ``undo_errors`` if not all)."""
+UNDO_ADVICE = "run `dsr1d restore`"
 
-    def __init__(self, cause: KnobError, previous: str | None, undo_errors: list[KnobError]) -> None:
+
+class ApplyFailed(Exception):
+    """A write (or a plugin's hook before one) failed; this switch's writes were undone (see
+    ``undo_errors`` if not all, with ``advice`` on what to do then)."""
+
+    def __init__(self, cause: Exception, previous: str | None, undo_errors: list[Exception],
+                 advice: str = UNDO_ADVICE) -> None:
         self.cause = cause
         self.undo_errors = undo_errors
         if undo_errors:
             tail = ("; undoing also failed for " + "; ".join(str(e) for e in undo_errors)
-                    + " — run `dsr1d restore`")
+                    + f" — {advice}")
         else:
             tail = f"; nothing changed, {previous or 'no profile'} still in force"
-        super().__init__(f"{cause}{tail}")
+        super().__init__(f"{_describe(cause)}{tail}")
+
+
+def _describe(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, KnobError) else f"{type(exc).__name__}: {exc}"
 
 
 class Tuner:
@@ -98,6 +107,8 @@ class Tuner:
         self.tunables = tunables
         self.journal = journal
         self._before_write = before_write or (lambda target, key, value: None)
+        self.undo_advice = UNDO_ADVICE       # the daemon says what to do while it runs
+        self.vanished: list[str] = []        # knobs the last restore found gone
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -161,18 +172,20 @@ class Tuner:
         for change in plan.changes:
             if pending.original(change.key) is None:
                 pending.originals.append(Original(change.key, change.tunable, change.current))
-        if plan.changes:
-            self.journal.save(pending)
         done: list[Change] = []
-        try:
+        try:  # every hook and every write inside: whatever fails, this switch is undone
+            if plan.changes:
+                self.journal.save(pending)
             for change in plan.writes:
                 self._write(change.tunable, change.key, change.wanted)
                 done.append(change)
-        except KnobError as exc:
+        except Exception as exc:
             undo_errors = self._undo(done)
             if not undo_errors:
                 self._save_or_remove(state)
-            raise ApplyFailed(exc, state.profile, undo_errors) from None
+            if isinstance(exc, JournalError):
+                raise
+            raise ApplyFailed(exc, state.profile, undo_errors, self.undo_advice) from None
         pending.originals = [o for o in pending.originals if o.key not in plan.dropped]
         pending.profile = profile.name
         pending.wanted = plan.wanted
@@ -186,6 +199,7 @@ class Tuner:
         """
         state = self.journal.load()
         self.root.pm_qos_release()
+        self.vanished = []
         if state is None:
             return [], []
         restored: list[Change] = []
@@ -194,6 +208,9 @@ class Tuner:
         for original in reversed(state.originals):
             try:
                 knob = knob_from_key(original.key)
+                if not knob.exists(self.root):
+                    self.vanished.append(f"{knob.where(self.root)} ({original.tunable})")
+                    continue  # a CPU unplugged while we were down: nothing left to restore
                 current = knob.read(self.root)
                 if current != original.value:
                     self._write(original.tunable, original.key, original.value)
@@ -278,12 +295,12 @@ class Tuner:
         except OSError as exc:
             raise KnobError(tunable, knob.where(self.root), exc, f"write {value!r} to") from None
 
-    def _undo(self, done: list[Change]) -> list[KnobError]:
-        errors = []
+    def _undo(self, done: list[Change]) -> list[Exception]:
+        errors: list[Exception] = []
         for change in reversed(done):
             try:
                 self._write(change.tunable, change.key, change.current)
-            except KnobError as exc:
+            except Exception as exc:  # a knob refusing, or a plugin's hook raising
                 errors.append(exc)
         return errors
 

@@ -243,3 +243,41 @@ def _gone(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] in "ZX"
     except FileNotFoundError:
         return True
+
+
+# -- operator polish ------------------------------------------------------------------------------
+
+def test_reload_rereads_profiles_and_reports_a_broken_one(daemon, bus, fake):
+    from daemon_fixtures import write_profile
+
+    write_profile(fake, "added", "[main]\nsummary = added by hand\ninclude = balanced\n")
+    proc = dsr1ctl(bus, "reload")
+    assert proc.returncode == 0 and proc.stdout.strip() == "reloaded", proc.stderr
+    assert "added" in prop(bus, "Profiles")
+    write_profile(fake, "broken", "[main]\nsummary = x\n[nosuch]\nk = v\n")
+    proc = dsr1ctl(bus, "reload")
+    assert proc.returncode != 0 and "broken.conf:3" in proc.stderr, proc.stderr
+
+
+def test_profile_reapply_repairs_drift(daemon, bus, fake):
+    epb0 = fake.path / EPB.format(0)
+    epb0.write_text("15\n")
+    proc = dsr1ctl(bus, "profile", "sustained", "--reapply")
+    assert proc.returncode == 0, proc.stderr
+    assert epb0.read_text().strip() == SUSTAINED_EPB
+    assert dsr1ctl(bus, "verify").returncode == 0
+
+
+def test_output_into_a_closed_pipe_is_not_a_traceback(daemon, bus):
+    command = (f"{shlex.quote(sys.executable)} -m dsr1d.cli --bus-address "
+               f"{shlex.quote(bus.address)} status | head -1")
+    proc = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.stdout.startswith("profile:")
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
+def test_version_is_printed():
+    proc = subprocess.run([sys.executable, "-m", "dsr1d.cli", "--version"], capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 0 and proc.stdout.startswith("dsr1ctl ")
