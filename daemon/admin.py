@@ -8,6 +8,7 @@ belonging to another root) and left untouched.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from contextlib import contextmanager
@@ -28,7 +29,17 @@ from .tuning import ApplyFailed, Plan, TuningError
 EXIT_FAILED, EXIT_USAGE, EXIT_JOURNAL, EXIT_BUSY = 1, 2, 3, 4
 
 
+def _json(data: object) -> int:
+    print(json.dumps(data, indent=1, sort_keys=True))
+    return 0
+
+
 def cmd_probe(core: Core, args: argparse.Namespace) -> int:
+    if getattr(args, "json", False):
+        return _json({"tunables": [{"name": i.name, "supported": i.support.supported,
+                                    "detail": i.support.detail, "current": i.current}
+                                   for i in core.tuner.probe()],
+                      "engine": engine_line(core.root).splitlines()})
     rows = []
     for info in core.tuner.probe():
         current = " ".join(f"{k}={v}" for k, v in info.current.items()) or "-"
@@ -61,6 +72,12 @@ def engine_line(root: SysRoot) -> str:
 def cmd_list(core: Core, args: argparse.Namespace) -> int:
     profiles, errors = core.store.load_all()
     active = core.tuner.active()
+    if getattr(args, "json", False):
+        _json([{"name": n, "summary": p.summary, "active": n == active}
+               for n, p in profiles.items()])
+        for error in errors:
+            print(f"dsr1d: skipped broken profile: {error}", file=sys.stderr)
+        return 0
     rows = [("*" if name == active else "", name, p.summary) for name, p in profiles.items()]
     print(render(("", "PROFILE", "SUMMARY"), rows))
     for error in errors:
@@ -114,6 +131,11 @@ def owning(core: Core, who: str) -> Iterator[None]:
 
 def cmd_verify(core: Core, args: argparse.Namespace) -> int:
     result = core.tuner.verify()
+    if getattr(args, "json", False):
+        _json({"profile": result.profile, "notes": result.notes,
+               "drift": [{"tunable": d.tunable, "knob": d.where, "wanted": d.wanted,
+                          "actual": d.actual} for d in result.drift]})
+        return EXIT_FAILED if result.drift else 0
     if result.profile is None:
         print("no profile applied (no journal)")
         return 0
@@ -180,12 +202,16 @@ def parser() -> argparse.ArgumentParser:
                                   description="dsr1d admin commands (run as root)")
     top.add_argument("--version", action="version", version=f"dsr1d {__version__}")
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("probe", parents=[common], help="which tunables work here, and their values")
-    sub.add_parser("list", parents=[common], help="the profiles (* = active)")
+    as_json = argparse.ArgumentParser(add_help=False)
+    as_json.add_argument("--json", action="store_true", help="machine-readable output")
+    sub.add_parser("probe", parents=[common, as_json],
+                   help="which tunables work here, and their values")
+    sub.add_parser("list", parents=[common, as_json], help="the profiles (* = active)")
     apply = sub.add_parser("apply", parents=[common], help="apply or switch to a profile")
     apply.add_argument("profile")
     apply.add_argument("--dry-run", action="store_true", help="show the plan, write nothing")
-    sub.add_parser("verify", parents=[common], help="compare every knob with the active profile")
+    sub.add_parser("verify", parents=[common, as_json],
+                   help="compare every knob with the active profile")
     model = sub.add_parser("model", help="model tools: `dsr1d model synth --preset tiny DIR`, "
                            "`dsr1d model convert SRC_DIR OUT.gguf --dtype int4`")
     model.add_argument("model_args", nargs=argparse.REMAINDER,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -105,8 +106,28 @@ def _telemetry_line(t: dict[str, Any]) -> str:
     return ", ".join(parts) or "nothing measured here"
 
 
+def _unwrap(value: Any) -> Any:
+    if isinstance(value, Variant):
+        return _unwrap(value.value)
+    if isinstance(value, dict):
+        return {k: _unwrap(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_unwrap(v) for v in value]
+    return value
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(_unwrap(data), indent=1, sort_keys=True, default=str))
+
+
 async def cmd_status(client: Client, args: argparse.Namespace) -> int:
     props = await client.properties()
+    if args.json:
+        engine = await client.call("GetAll", "s", ENGINE,
+                                   interface="org.freedesktop.DBus.Properties", path=ENGINE_PATH)
+        _print_json({"manager": props, "telemetry": await client.telemetry(),
+                     "engine": {k: v.value for k, v in engine[0].items()}})
+        return 0
     print(f"profile:    {props['ActiveProfile']}")
     holds = props.get("Holds", [])
     print(f"holds:      {len(holds) or 'none'}")
@@ -133,6 +154,9 @@ async def cmd_status(client: Client, args: argparse.Namespace) -> int:
 async def cmd_list(client: Client, args: argparse.Namespace) -> int:
     (profiles,) = await client.call("ListProfiles")
     active = (await client.properties())["ActiveProfile"]
+    if args.json:
+        _print_json([{"name": n, "summary": s, "active": n == active} for n, s in profiles])
+        return 0
     print(render(("", "PROFILE", "SUMMARY"),
                  [("*" if n == active else "", n, s) for n, s in profiles]))
     return 0
@@ -146,6 +170,10 @@ async def cmd_profile(client: Client, args: argparse.Namespace) -> int:
 
 async def cmd_verify(client: Client, args: argparse.Namespace) -> int:
     ok, drift = await client.call("Verify")
+    if args.json:
+        _print_json({"ok": ok, "drift": [{"knob": k, "wanted": w, "actual": a}
+                                         for k, w, a in drift]})
+        return 0 if ok else EXIT_FAILED
     if ok:
         print("every knob holds its value")
         return 0
@@ -301,6 +329,9 @@ async def cmd_generate(client: Client, args: argparse.Namespace) -> int:
     if "error" in stats:
         print(f"dsr1ctl: {stats['error']}", file=sys.stderr)
         return EXIT_FAILED
+    if args.json:  # the stats as one JSON object on stderr, after the streamed text
+        print(json.dumps(_unwrap(stats), sort_keys=True, default=str), file=sys.stderr)
+        return 0
     print(f"-- {stats['new_tokens']} tokens ({stats['prompt_tokens']} prompt), first token "
           f"{stats['first_token_latency_s'] * 1000:.0f} ms, {stats['decode_tokens_per_s']:.2f} "
           f"tokens/s decode, reasoning {stats['reasoning_chars']} chars, answer "
@@ -379,23 +410,29 @@ COMMANDS = {"status": cmd_status, "generate": cmd_generate, "list": cmd_list, "p
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="dsr1ctl", description="control the dsr1d daemon")
     top.add_argument("--version", action="version", version=f"dsr1ctl {__version__}")
+    top.add_argument("--json", action="store_true",
+                     help="machine-readable output of status, list, verify and generate's stats")
     top.add_argument("--bus-address", default=os.environ.get("DSR1D_BUS_ADDRESS"),
                      help="D-Bus address (default: the system bus)")
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("status", help="active profile, holds, tunables, telemetry")
-    sub.add_parser("list", help="the profiles (* = active)")
+    as_json = argparse.ArgumentParser(add_help=False)
+    as_json.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                         help="machine-readable output")
+    sub.add_parser("status", parents=[as_json], help="active profile, holds, tunables, telemetry")
+    sub.add_parser("list", parents=[as_json], help="the profiles (* = active)")
     profile = sub.add_parser("profile", help="switch to a profile (cancels holds); the active "
                              "one is re-applied, which repairs drift")
     profile.add_argument("name")
     profile.add_argument("--reapply", action="store_true",
                          help="say it: re-apply even if NAME is active (always done)")
     sub.add_parser("reload", help="re-read the daemon's configuration and profiles")
-    sub.add_parser("verify", help="compare every knob with the active profile")
+    sub.add_parser("verify", parents=[as_json], help="compare every knob with the active profile")
     hold = sub.add_parser("hold", help="hold a profile while a command runs")
     hold.add_argument("profile")
     hold.add_argument("--reason", help="shown in status (default: the command)")
     hold.add_argument("command_line", nargs="*", metavar="-- COMMAND…")
-    gen = sub.add_parser("generate", help="generate with the engine, streaming tokens")
+    gen = sub.add_parser("generate", parents=[as_json],
+                         help="generate with the engine, streaming tokens")
     gen.add_argument("prompt")
     gen.add_argument("--max-new-tokens", type=int)
     gen.add_argument("--temperature", type=float, help="default 0.6 (DeepSeek's guidance)")

@@ -505,6 +505,10 @@ def simulate_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--realtime", action="store_true",
                     help="advance simulated time with the wall clock (with --fake-root)")
     args = ap.parse_args(argv)
+    if not (0 < args.seconds < float("inf")) or not (0 < args.dt <= args.seconds):
+        ap.error("--seconds must be positive and --dt between 0 and --seconds")
+    if args.csv is not None and not args.csv.parent.is_dir():
+        ap.error(f"--csv {args.csv}: no directory {args.csv.parent}")
     if args.realtime and args.fake_root is None:
         ap.error("--realtime needs --fake-root")
     if args.fake_root is not None and args.mitigate:
@@ -535,11 +539,15 @@ def simulate_main(argv: list[str] | None = None) -> int:
                 time.sleep(max(0.0, start + (i + 1) * args.dt - time.monotonic()))
 
     if args.csv is not None:
-        with open(args.csv, "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
-            writer.writeheader()
-            for row in rows:
-                writer.writerow(_csv_row(row))
+        try:
+            with open(args.csv, "w", newline="") as fh:
+                writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
+                writer.writeheader()
+                for row in rows:
+                    writer.writerow(_csv_row(row))
+        except OSError as exc:
+            print(f"dsr1d simulate: cannot write {args.csv}: {exc.strerror}", file=sys.stderr)
+            return 1
     print(f"{'time_s':>7} {'temp_C':>7} {'MHz':>6} {'W':>6} {'thr':>5} {'tok/s':>6}  state / rungs")
     every = max(1, int(round(30.0 / args.dt)))
     for row in rows[every - 1::every]:

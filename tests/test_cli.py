@@ -358,3 +358,14 @@ def test_trace_plugins_shows_hook_calls(fake: FakeRoot) -> None:
             "transparent_hugepage/defrag', value='defer') -> []") in writes
     quiet = dsr1d(fake, "apply", "balanced", check=True)
     assert "dsr1d trace:" not in quiet.stderr
+
+
+def test_read_commands_speak_json(fake: FakeRoot) -> None:
+    import json
+
+    probe = json.loads(dsr1d(fake, "probe", "--json", check=True).stdout)
+    assert {t["name"] for t in probe["tunables"]} >= {"epb", "thp", "cstate", "prefetcher"}
+    assert probe["engine"][0].startswith("engine: ")
+    listed = json.loads(dsr1d(fake, "list", "--json", check=True).stdout)
+    assert "sustained" in {p["name"] for p in listed}
+    assert json.loads(dsr1d(fake, "verify", "--json", check=True).stdout)["profile"] is None

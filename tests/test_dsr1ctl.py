@@ -281,3 +281,22 @@ def test_version_is_printed():
     proc = subprocess.run([sys.executable, "-m", "dsr1d.cli", "--version"], capture_output=True,
                           text=True, timeout=30)
     assert proc.returncode == 0 and proc.stdout.startswith("dsr1ctl ")
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_json_output_of_the_read_commands(daemon, bus, where):
+    import json
+
+    def run_json(command: str):
+        args = ["--json", command] if where == "before" else [command, "--json"]
+        proc = dsr1ctl(bus, *args)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    status = run_json("status")
+    assert status["manager"]["ActiveProfile"] == "sustained"
+    assert "load_1m" in status["telemetry"] and status["engine"]["State"] == "unconfigured"
+    listed = run_json("list")
+    assert {"name": "sustained", "summary": listed[[p["name"] for p in listed].index(
+        "sustained")]["summary"], "active": True} in listed
+    assert run_json("verify") == {"ok": True, "drift": []}

@@ -184,3 +184,19 @@ def test_profile_mitigation_section_builds_a_controller_config(tmp_path):
     config = MitigationConfig.from_section(section)
     assert config.ladder == ("no_turbo", "rapl_pl1")
     assert (config.release_after_s, config.release_margin_c, config.target_temp_c) == (60, 8, 90)
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--seconds", "-5"], "--seconds must be positive"),
+    (["--seconds", "nan"], "--seconds must be positive"),
+    (["--seconds", "10", "--dt", "0"], "--dt between"),
+    (["--seconds", "5", "--csv", "/nonexistent/x.csv"], "no directory /nonexistent"),
+])
+def test_bad_simulate_arguments_are_clear_errors_not_tracebacks(args: list[str], why: str) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "dsr1d.admin", "simulate", *args],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and why in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
