@@ -427,27 +427,32 @@ def _plain(options: dict[str, Variant]) -> dict[str, Any]:
 
 
 class EngineService:
-    """Exports ``org.dsr1d.Engine1``; with no model configured every call says so."""
+    """Exports ``org.dsr1d.Engine1``; with no model configured every call says so.
+
+    Generations are private: a job belongs to the connection that started it. Its ``Token`` and
+    ``Finished`` signals are addressed to that connection only (unicast signals, which the
+    system bus does not let other users eavesdrop on), only it or root may cancel it, and it is
+    cancelled when its caller leaves the bus."""
 
     def __init__(self, dispatcher: Dispatcher, host: EngineHost | None) -> None:
         self.dispatcher = dispatcher
         self.host = host
+        self.owners: dict[int, str] = {}
         self.interface = EngineInterface(host, {m.name: m for m in self._methods()})
         if host is not None:
-            host.token_listeners.append(
-                lambda job, piece: self.interface.Token(job, dbus_string(piece)))
-            host.finished_listeners.append(
-                lambda job, stats: self.interface.Finished(job, _variants(stats)))
+            host.token_listeners.append(self._token)
+            host.finished_listeners.append(self._finished)
             host.change_listeners.append(self.interface.emit_changed)
+        dispatcher.signal_listeners.append(self._owner_changed)
 
     def _methods(self) -> list[Method]:
         return [
             Method("Generate", (("prompt", "s"), ("options", "a{sv}")), "sa{sv}", True,
-                   lambda caller, prompt, options: self._generate(prompt, options)),
+                   lambda caller, prompt, options: self._generate(caller, prompt, options)),
             Method("Submit", (("prompt", "s"), ("options", "a{sv}")), "t", True,
-                   lambda caller, prompt, options: self._submit(prompt, options)),
+                   lambda caller, prompt, options: self._submit(caller, prompt, options)),
             Method("Cancel", (("job", "t"),), "", True,
-                   lambda caller, job: self._engine().cancel(job)),
+                   lambda caller, job: self._cancel(caller, job)),
         ]
 
     def export(self) -> None:
@@ -458,12 +463,54 @@ class EngineService:
             raise EngineUnavailable("no model configured (set model= in /etc/dsr1d/dsr1d.conf)")
         return self.host
 
-    async def _generate(self, prompt: str, options: dict[str, Variant]) -> list[Any]:
-        result = await self._engine().generate(prompt, _plain(options))
+    async def _generate(self, caller: Caller, prompt: str,
+                        options: dict[str, Variant]) -> list[Any]:
+        job = await self._engine().submit(prompt, _plain(options))
+        self.owners[job.id] = caller.sender
+        result = await job.done
         return [dbus_string(result["text"]), _variants(result["stats"])]
 
-    async def _submit(self, prompt: str, options: dict[str, Variant]) -> int:
-        return (await self._engine().submit(prompt, _plain(options))).id
+    async def _submit(self, caller: Caller, prompt: str, options: dict[str, Variant]) -> int:
+        job = await self._engine().submit(prompt, _plain(options))
+        self.owners[job.id] = caller.sender
+        return job.id
+
+    async def _cancel(self, caller: Caller, job: int) -> None:
+        owner = self.owners.get(job)
+        if owner is not None and owner != caller.sender and caller.uid != 0:
+            raise AccessDenied(f"job {job} belongs to another client")
+        await self._engine().cancel(job)
+
+    def _token(self, job: int, piece: str) -> None:
+        self._unicast(job, "Token", "ts", [job, dbus_string(piece)])
+
+    def _finished(self, job: int, stats: dict[str, Any]) -> None:
+        self._unicast(job, "Finished", "ta{sv}", [job, _variants(stats)])
+        self.owners.pop(job, None)
+
+    def _unicast(self, job: int, member: str, signature: str, body: list[Any]) -> None:
+        owner = self.owners.get(job)
+        if owner is None:  # a job nobody on the bus asked for (none today): nobody hears it
+            return
+        self.dispatcher.bus.send(Message(message_type=MessageType.SIGNAL, destination=owner,
+                                         path=ENGINE_PATH, interface=ENGINE, member=member,
+                                         signature=signature, body=body))
+
+    def _owner_changed(self, msg: Message) -> None:
+        """A caller that left the bus: its jobs are cancelled (nobody could read them)."""
+        if (msg.member != "NameOwnerChanged" or msg.sender != "org.freedesktop.DBus"
+                or len(msg.body) != 3 or msg.body[2] or self.host is None):
+            return
+        for job, owner in list(self.owners.items()):
+            if owner == msg.body[0] and job in self.host.jobs:
+                log.info("job %d: its caller %s left the bus; cancelling it", job, owner)
+                asyncio.get_running_loop().create_task(self._quiet_cancel(job))
+
+    async def _quiet_cancel(self, job: int) -> None:
+        try:
+            await self.host.cancel(job)  # type: ignore[union-attr]
+        except (InvalidArgument, EngineUnavailable):
+            pass  # it ended meanwhile
 
 
 def _variants(values: dict[str, Any]) -> dict[str, Variant]:

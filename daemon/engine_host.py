@@ -21,7 +21,6 @@ from typing import Any, Callable
 
 import psutil
 
-from .engine.textstream import ThinkSplitter
 from .placement import Placement, describe, plan, read_topology
 from .sysroot import SysRoot
 
@@ -100,15 +99,14 @@ def physical_cores() -> int:
 
 @dataclass
 class Job:
-    """A generation: its request, the text assembled from the worker's chunks, the reasoning /
-    answer split of what it streamed, and the caller's future."""
+    """A generation: its request, the text assembled from the worker's chunks, and the
+    caller's future."""
 
     id: int
     prompt: str
     options: dict[str, Any]
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     text: list[str] = field(default_factory=list)
-    split: ThinkSplitter = field(default_factory=ThinkSplitter)
 
 
 TokenListener = Callable[[int, str], None]
@@ -356,9 +354,6 @@ class EngineHost:
             self._set_state("ready")
             self._changed(["Model", "Threads"])
         elif kind == "token":
-            job = self.jobs.get(event["job"])
-            if job is not None:
-                job.split.feed(event["piece"])
             for listener in self.token_listeners:
                 _call(listener, event["job"], event["piece"])
         elif kind == "text":
@@ -383,8 +378,6 @@ class EngineHost:
         stats = dict(event["stats"])
         text = ""
         if job is not None:
-            job.split.finish()
-            stats["reasoning"], stats["answer"] = job.split.reasoning_text, job.split.answer_text
             text = "".join(job.text)
         if stats.get("decode_tokens_per_s"):
             self.tokens_per_s = float(stats["decode_tokens_per_s"])

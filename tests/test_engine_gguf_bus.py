@@ -16,9 +16,9 @@ import pytest
 
 pytest.register_assert_rewrite("daemon_fixtures", "engine_fixtures")
 from daemon_fixtures import ERROR, eventually, prop  # noqa: E402
-from engine_fixtures import (ENGINE_SIGNALS, JOB_TIMEOUT, EngineDaemon, engine, engine_async,  # noqa: E402
-                             engine_daemon_running, finished, first_token, job_signals, options,
-                             plain, reply_of, worker_of)
+from engine_fixtures import (ENGINE, ENGINE_SIGNALS, JOB_TIMEOUT, EngineDaemon,  # noqa: E402
+                             engine, engine_async, engine_daemon_running, finished, first_token,
+                             job_signals, options, plain, reply_of, worker_of)
 
 pytest_plugins = ["engine_fixtures"]
 
@@ -149,3 +149,100 @@ def test_a_corrupt_gguf_leaves_the_engine_failed_with_the_reason(tmp_path: Path,
         assert reply.error_name == ERROR + "EngineUnavailable"
         assert "truncated" in reply.body[0], reply.body
         assert served.engine_prop("State") == "failed"
+
+
+# Subscribes as it is told (eavesdrop or not) to every Engine1 signal, prints READY, counts
+# what arrives until stdin closes, then prints the count.
+LISTENER = """\
+import asyncio, sys
+from dbus_fast import Message, MessageType
+from dbus_fast.aio import MessageBus
+
+async def main():
+    bus = await MessageBus(bus_address=sys.argv[1]).connect()
+    seen = []
+    bus.add_message_handler(lambda m: seen.append(m) if m.message_type == MessageType.SIGNAL
+                            and m.interface == "org.dsr1d.Engine1" else None)
+    rules = ["type='signal',interface='org.dsr1d.Engine1'"]
+    if sys.argv[2] == "eavesdrop":
+        rules.append("type='signal',interface='org.dsr1d.Engine1',eavesdrop='true'")
+    for rule in rules:
+        reply = await bus.call(Message(
+            destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
+            interface="org.freedesktop.DBus", member="AddMatch", signature="s", body=[rule]))
+        print("match", rule, reply.message_type.name, file=sys.stderr, flush=True)
+    print("READY", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    print(len(seen), flush=True)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("nobody", [True, False], ids=["nobody-eavesdropping",
+                                                       "another-root-connection"])
+def test_another_client_receives_nothing_of_a_generation(served, root, nobody) -> None:
+    """nobody tries both a plain and an eavesdropping match; another connection of root (which
+    the system bus lets eavesdrop, as it could read the daemon's memory anyway) a plain one."""
+    import subprocess
+    import sys
+
+    from daemon_fixtures import AS_NOBODY, read_line
+
+    prefix = AS_NOBODY if nobody else ()
+    listener = subprocess.Popen([*prefix, sys.executable, "-c", LISTENER, served.bus.address,
+                                 "eavesdrop" if nobody else "plain"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert read_line(listener.stdout, what="the listener ready").strip() == "READY"
+        reply = engine(root, "Generate", "sa{sv}", PROMPT,
+                       options(greedy=True, ignore_eos=True, max_new_tokens=20))
+        assert reply.error_name is None
+        assert len(root.received("Token", ENGINE)) >= 20  # the caller got them
+        listener.stdin.close()
+        count = int(read_line(listener.stdout, what="the listener's count"))
+    finally:
+        listener.kill()
+        listener.wait()
+    assert count == 0
+
+
+# Submits a long job, prints its id, then leaves the bus (exits) without waiting for it.
+SUBMIT_AND_LEAVE = """\
+import asyncio, sys
+from dbus_fast import Message, Variant
+from dbus_fast.aio import MessageBus
+
+async def main():
+    bus = await MessageBus(bus_address=sys.argv[1]).connect()
+    reply = await bus.call(Message(
+        destination="org.dsr1d", path="/org/dsr1d/engine", interface="org.dsr1d.Engine1",
+        member="Submit", signature="sa{sv}",
+        body=["hi", {"max_new_tokens": Variant("u", 3000), "ignore_eos": Variant("b", True)}]))
+    print(reply.body[0], flush=True)
+    bus.disconnect()
+
+asyncio.run(main())
+"""
+
+
+def test_a_job_ends_when_its_caller_leaves_the_bus(served) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", SUBMIT_AND_LEAVE, served.bus.address],
+                          capture_output=True, text=True, timeout=30)
+    job = int(proc.stdout)
+    eventually(lambda: f"job {job}: its caller" in served.daemon.log(), timeout=JOB_TIMEOUT,
+               what="the job cancelled when its caller left")
+    served.wait_state("ready", timeout=JOB_TIMEOUT)
+    assert prop(served.bus, "Holds") == []
+
+
+def test_root_may_cancel_another_connections_job(served, root) -> None:
+    other = served.client()
+    job = engine(other, "Submit", "sa{sv}", PROMPT,
+                 options(ignore_eos=True, max_new_tokens=3000)).body[0]
+    eventually(lambda: served.engine_prop("State") == "busy", what="the job running")
+    assert engine(root, "Cancel", "t", job).error_name is None
+    served.wait_state("ready", timeout=JOB_TIMEOUT)

@@ -54,7 +54,7 @@ def test_a_result_over_64_kib_arrives_whole(long_output_gguf: Path, tmp_path: Pa
         assert reply.message_type == MessageType.METHOD_RETURN, reply.body
         text, stats = reply.body[0], {k: v.value for k, v in reply.body[1].items()}
         assert text == LONG_PIECE * 5000 and len(text) > 65536
-        assert stats["new_tokens"] == 5000 and stats["reasoning"] == text.strip()
+        assert stats["new_tokens"] == 5000 and stats["reasoning_chars"] == len(text.strip())
         assert served.engine_prop("State") == "ready"
         assert "killing it" not in served.daemon.log()
 

@@ -8,13 +8,12 @@ Throttle mitigation's ``engine_threads`` rung caps the same count (``EngineHost.
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 pytest.register_assert_rewrite("daemon_fixtures", "engine_fixtures")
 from daemon_fixtures import BUS_NAME, MANAGER, PATH, busctl, eventually  # noqa: E402
-from engine_fixtures import engine_daemon_running  # noqa: E402
+from engine_fixtures import engine_daemon_running, options  # noqa: E402
 
 pytest_plugins = ["engine_fixtures"]
 ENGINE_PATH, ENGINE = "/org/dsr1d/engine", "org.dsr1d.Engine1"
@@ -35,11 +34,11 @@ def test_thread_change_reaches_the_running_job(tiny_model, tmp_path):
         assert served.engine_prop("Threads") == 2
         watcher = served.client()
         watcher.subscribe(f"type='signal',sender='{BUS_NAME}',path='{ENGINE_PATH}'")
-        submitted = busctl(served.bus, "--json=short", "call", BUS_NAME, ENGINE_PATH, ENGINE,
-                           "Submit", "sa{sv}", "hi", "3", "greedy", "b", "true",
-                           "max_new_tokens", "u", "3000", "ignore_eos", "b", "true")
-        assert submitted.returncode == 0, submitted.stderr
-        job = json.loads(submitted.stdout)["data"][0]
+        # Submitted on the watcher's own connection: a job's signals reach only its caller,
+        # and it lasts only as long as that connection does.
+        (job,) = watcher.ok("Submit", "sa{sv}", "hi",
+                            options(greedy=True, max_new_tokens=3000, ignore_eos=True),
+                            interface=ENGINE, path=ENGINE_PATH)
         eventually(lambda: watcher.received("Token", ENGINE), timeout=30, what="the first token")
 
         profiles = served.fake.path / "etc/dsr1d/profiles"

@@ -105,7 +105,7 @@ class Worker:
                 self.channel.send(ev="error", job=job_id, name="InvalidArgument", message=str(exc))
                 continue
             # The text goes in chunks so that no line is unbounded (R1 reasons for thousands of
-            # tokens); the daemon splits reasoning from answer from the tokens it streamed.
+            # tokens); it keeps its </think>, so a client splits reasoning from answer there.
             for start in range(0, len(result.text), TEXT_CHUNK):
                 self.channel.send(ev="text", job=job_id,
                                   chunk=result.text[start:start + TEXT_CHUNK])
