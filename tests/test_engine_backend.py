@@ -239,3 +239,57 @@ def test_leftovers_of_a_dead_conversion_are_cleaned_but_a_live_ones_kept(tiny: P
     live.write_bytes(b"GGUF")
     cached_gguf(tiny, "int8", cache, convert)
     assert not dead.exists() and live.exists()
+
+
+# -- a Hugging Face hub cache folder ----------------------------------------------------------
+
+def _hub_cache(tmp_path: Path, snapshots: list[str], ref: str | None) -> Path:
+    folder = tmp_path / "models--deepseek-ai--DeepSeek-R1-Distill-Qwen-1.5B"
+    for name in snapshots:
+        (folder / "snapshots" / name).mkdir(parents=True)
+    if ref is not None:
+        (folder / "refs").mkdir()
+        (folder / "refs" / "main").write_text(ref + "\n")
+    return folder
+
+
+def test_a_hub_cache_folder_is_pointed_at_the_snapshot_refs_main_names(tmp_path: Path) -> None:
+    from dsr1d.engine.backend import model_name, resolve_model
+
+    folder = _hub_cache(tmp_path, ["aaa111", "bbb222"], ref="bbb222")
+    snapshot = resolve_model(folder)
+    assert snapshot == folder / "snapshots" / "bbb222"
+    assert model_name(snapshot) == "DeepSeek-R1-Distill-Qwen-1.5B"
+
+
+def test_a_hub_cache_folder_with_one_snapshot_and_no_ref_uses_it(tmp_path: Path) -> None:
+    from dsr1d.engine.backend import resolve_model
+
+    folder = _hub_cache(tmp_path, ["ccc333"], ref=None)
+    assert resolve_model(folder).name == "ccc333"
+
+
+def test_an_ambiguous_hub_cache_folder_lists_its_snapshots(tmp_path: Path) -> None:
+    from dsr1d.engine.backend import resolve_model
+
+    folder = _hub_cache(tmp_path, ["aaa111", "bbb222"], ref=None)
+    with pytest.raises(ModelError, match="snapshots.*aaa111, bbb222"):
+        resolve_model(folder)
+
+
+def test_other_models_resolve_to_themselves_and_are_named_by_their_file(tmp_path: Path) -> None:
+    from dsr1d.engine.backend import model_name, resolve_model
+
+    gguf = tmp_path / "r1-7b-Q4_K_M.gguf"
+    assert resolve_model(gguf) == gguf and model_name(gguf) == "r1-7b-Q4_K_M"
+    assert model_name(tmp_path) == tmp_path.name
+
+
+def test_a_snapshot_converts_under_its_repository_name(tmp_path: Path) -> None:
+    folder = _hub_cache(tmp_path, [], ref=None)
+    snapshot = synthesize("tiny", folder / "snapshots" / "0123abcd")
+    entry = cached_gguf(snapshot, "int8", tmp_path / "cache", convert)
+    assert entry.name.startswith("DeepSeek-R1-Distill-Qwen-1.5B-")
+    from dsr1d.engine.gguf_file import inspect_gguf
+
+    assert inspect_gguf(entry).name == "DeepSeek-R1-Distill-Qwen-1.5B"

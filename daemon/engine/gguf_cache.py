@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 from typing import Callable
 
+from .backend import model_name
 from .errors import ModelError
 from .gguf_file import inspect_gguf
 
@@ -70,7 +71,7 @@ def source_key(src: Path, cache: Path | None = None) -> str:
 
 
 def _name(src: Path) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", src.resolve().name) or "model"
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", model_name(src.resolve())) or "model"
 
 
 def entry_path(src: Path, key: str, dtype: str, cache: Path) -> Path:

@@ -65,6 +65,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileTy
 from gguf import GGML_QUANT_VERSION
 from gguf.quants import quantize
 
+from .backend import model_name
 from .errors import ModelError
 
 Progress = Callable[[int, int, str], None]
@@ -652,7 +653,8 @@ def convert(src: Path, out: Path, dtype: str, progress: Progress | None = None) 
     tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
     try:
         _write_header(tmp, hp.arch, jobs,
-                      lambda w: _metadata(w, src.resolve().name, hp, vocab, dtype, generation))
+                      lambda w: _metadata(w, model_name(src.resolve()), hp, vocab, dtype,
+                                          generation))
         with open(tmp, "r+b") as f:
             f.seek(0, os.SEEK_END)
             _write_data(f, jobs, progress)

@@ -15,6 +15,7 @@ import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from . import memory  # noqa: E402
+from .backend import model_name  # noqa: E402
 from .errors import ModelError  # noqa: E402,F401  (re-exported)
 
 SUPPORTED = {"Qwen2ForCausalLM": "R1-Distill-Qwen", "LlamaForCausalLM": "R1-Distill-Llama"}
@@ -130,7 +131,7 @@ def load(path: Path, dtype: str = "auto", progress: Progress | None = None) -> L
     if chosen in ("int8", "int4"):
         quantize(model, chosen)
     context = int(config_json.get("max_position_embeddings", 4096))
-    return Loaded(model, tokenizer, path, path.name, chosen, reason, parameters, context)
+    return Loaded(model, tokenizer, path, model_name(path), chosen, reason, parameters, context)
 
 
 def _load_weights(model: torch.nn.Module, shards: list[Path], dtype: torch.dtype,

@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=worker.read_commands, daemon=True).start()
 
     from . import llama_backend
-    from .backend import choose
+    from .backend import choose, resolve_model
     from .errors import ModelError
 
     if args.mem_nodes:
@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             channel.send(ev="log", message=f"memory not bound to node(s) {args.mem_nodes}: "
                                            f"{problem}")
     try:
+        args.model = str(resolve_model(Path(args.model)))
         choice = choose(args.backend, Path(args.model), llama_backend.installed())
         if choice.backend == "torch":
             generator, ready = _load_torch(args, channel, choice.reason)
