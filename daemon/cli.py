@@ -21,10 +21,9 @@ from dbus_fast import BusType, Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
 from . import __version__
+from .constants import BUS_NAME, ENGINE, ENGINE_PATH, MANAGER, PATH
 from .table import render
 
-BUS_NAME, PATH, MANAGER = "org.dsr1d", "/org/dsr1d", "org.dsr1d.Manager1"
-ENGINE_PATH, ENGINE = "/org/dsr1d/engine", "org.dsr1d.Engine1"
 EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_DENIED = 1, 2, 3, 4
 _USAGE_ERRORS = ("UnknownProfile", "InvalidProfile", "InvalidArgs", "NoSuchHold", "NotHolder",
                  "InvalidArgument")

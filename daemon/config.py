@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .profiles import ProfileError, parse_ini, section_line
-from .engine.backend import BACKENDS
+from .constants import ENGINE_BACKENDS, ENGINE_DTYPES
 from .schema import Schema, boolean, choice, integer, option, word_list
 from .sysroot import parse_cpu_list
 
@@ -58,7 +58,7 @@ DAEMON_SCHEMA: Schema = {
     "profiles_dir": option(_absolute, "user profiles (default <root>/etc/dsr1d/profiles)", "path"),
     "model": option(_absolute, "the model the engine serves: a .gguf file or a local Hugging "
                     "Face directory (unset: no engine)", "path"),
-    "engine_backend": option(choice(*BACKENDS), "auto (llama.cpp where installed), llamacpp or "
+    "engine_backend": option(choice(*ENGINE_BACKENDS), "auto (llama.cpp where installed), llamacpp or "
                              "torch", "name"),
     "engine_cache_dir": option(_absolute, "where Hugging Face directories are converted to GGUF "
                                "for llama.cpp, once", "path"),
@@ -66,7 +66,7 @@ DAEMON_SCHEMA: Schema = {
                              "at most 16384)", "tokens"),
     "engine_mmap": option(boolean, "llama.cpp maps the file instead of reading the weights into "
                           "anonymous memory with huge pages (no: faster decode)", "bool"),
-    "engine_dtype": option(choice("auto", "bf16", "fp32", "int8", "int4"),
+    "engine_dtype": option(choice(*ENGINE_DTYPES),
                            "weight precision (auto: bf16 on CPUs with native bf16, else fp32)",
                            "name"),
     "engine_threads": option(integer(0, 4096), "decode threads (0: one per physical core)",

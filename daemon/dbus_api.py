@@ -25,6 +25,7 @@ from dbus_fast.service import ServiceInterface, dbus_property, signal
 from dbus_fast.signature import get_signature_tree
 
 from . import __version__
+from .constants import ENGINE, ENGINE_PATH, ERROR, MANAGER, PATH
 from .engine_host import Cancelled, EngineHost, EngineUnavailable, InvalidArgument
 from .manager import HoldError, Manager
 from .profiles import ProfileError, UnknownProfile
@@ -34,12 +35,6 @@ from .tuning import ApplyFailed, TuningError
 
 log = logging.getLogger("dsr1d")
 
-BUS_NAME = "org.dsr1d"
-PATH = "/org/dsr1d"
-MANAGER = "org.dsr1d.Manager1"
-ENGINE_PATH = "/org/dsr1d/engine"
-ENGINE = "org.dsr1d.Engine1"
-ERROR = "org.dsr1d.Error."
 INVALID_ARGS = "org.freedesktop.DBus.Error.InvalidArgs"
 ADMIN_GROUP = "dsr1d"
 POLKIT_ACTIONS = {"SwitchProfile": "org.dsr1d.switch-profile", "Reload": "org.dsr1d.reload",

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .constants import ENGINE_BACKENDS, ENGINE_DTYPES
 from .schema import Schema, boolean, choice, integer, option, word_list
 
 SUFFIX = ".conf"
@@ -30,9 +31,9 @@ MAIN_SCHEMA: Schema = {
 # [engine] and [mitigation] are read by later parts of the daemon; keys known so far.
 ENGINE_SCHEMA: Schema = {
     "threads": option(integer(0, 4096), "decode threads (0 = one per physical core)", "count"),
-    "dtype": option(choice("auto", "bf16", "fp32", "int8", "int4"),
+    "dtype": option(choice(*ENGINE_DTYPES),
                     "weight precision (auto = bf16 where the CPU has native bf16)", "name"),
-    "backend": option(choice("auto", "llamacpp", "torch"),
+    "backend": option(choice(*ENGINE_BACKENDS),
                       "auto (llama.cpp where installed), llamacpp or torch", "name"),
 }
 MITIGATION_SCHEMA: Schema = {

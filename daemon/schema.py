@@ -89,14 +89,3 @@ def either(first: Parser, second: Parser, what: str) -> Parser:
 def option(parse: Parser, help: str, kind: str | None = None) -> Option:
     """Build an `Option`; ``kind`` is the type as shown in documentation."""
     return Option(parse=parse, help=help, kind=kind or getattr(parse, "__name__", "value"))
-
-
-def validate(schema: Schema, raw: dict[str, str]) -> dict[str, Any]:
-    """Parse every key of ``raw``; raises KeyError(key) or ValueError(key, reason)."""
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key not in schema:
-            known = ", ".join(sorted(schema)) or "none"
-            raise KeyError(f"unknown key {key!r} (known: {known})")
-        out[key] = schema[key].parse(value)
-    return out

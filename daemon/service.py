@@ -21,7 +21,8 @@ from dbus_fast import NameFlag, RequestNameReply
 
 from .config import DEFAULT_PATH, Config, load_config
 from .context import build_core
-from .dbus_api import BUS_NAME, Dispatcher, EngineService, ManagerService, connect, neighbours
+from .constants import BUS_NAME
+from .dbus_api import Dispatcher, EngineService, ManagerService, connect, neighbours
 from .engine_host import EngineHost
 from .manager import Manager
 from .mitigator import Mitigator

@@ -67,7 +67,7 @@ class TelemetrySource(Protocol):
     def read(self, root: SysRoot, now: float) -> dict[str, Any]: ...
 
 
-def collect_sources(pm: pluggy.PluginManager) -> dict[str, Any]:
+def collect_sources(pm: pluggy.PluginManager) -> dict[str, TelemetrySource]:
     """Every registered telemetry source by name, in merge order (priority, then name)."""
     from .plugin_manager import collect
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..constants import ENGINE_BACKENDS
 from .errors import ModelError
 
-BACKENDS = ("auto", "llamacpp", "torch")
+BACKENDS = ENGINE_BACKENDS
 GGUF_MAGIC = b"GGUF"
 INSTALL_HINT = ("install it with the engine (`make install`, or pip install "
                 "llama-cpp-python built for this CPU: tools/llama-wheel.sh)")

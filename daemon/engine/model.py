@@ -15,11 +15,12 @@ import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from . import memory  # noqa: E402
+from ..constants import ENGINE_DTYPES  # noqa: E402
 from .backend import model_name  # noqa: E402
 from .errors import ModelError  # noqa: E402,F401  (re-exported)
 
 SUPPORTED = {"Qwen2ForCausalLM": "R1-Distill-Qwen", "LlamaForCausalLM": "R1-Distill-Llama"}
-DTYPES = ("auto", "bf16", "fp32", "int8", "int4")
+DTYPES = ENGINE_DTYPES
 BYTES_PER_PARAM = {"bf16": 2.0, "fp32": 4.0, "int8": 1.0 + 0.02, "int4": 0.5 + 0.13}
 MEMORY_HEADROOM = 0.9
 Progress = Callable[[int, int, str], None]

@@ -8,14 +8,10 @@ closing tag and ``answer`` after it; the tag itself belongs to neither.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 REPLACEMENT = "\ufffd"
-
-
-class Decoder(Protocol):
-    def __call__(self, ids: list[int]) -> str: ...
 
 
 class IncrementalDecoder:

@@ -35,6 +35,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from ..constants import ENGINE_BACKENDS
+
 # Before torch is imported: 2 MiB+ allocations (the weights) get madvise(MADV_HUGEPAGE). For
 # llama.cpp's buffers glibc does the same (GLIBC_TUNABLES=glibc.malloc.hugetlb=1, which must be in
 # the environment when the process starts: EngineHost sets it).
@@ -118,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--backend", default="auto", choices=("auto", "llamacpp", "torch"))
+    parser.add_argument("--backend", default="auto", choices=ENGINE_BACKENDS)
     parser.add_argument("--cache-dir", default="/var/cache/dsr1d")
     parser.add_argument("--context", type=int, default=0, help="llama.cpp context (0: default)")
     parser.add_argument("--mmap", action="store_true",
