@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from dbus_fast import BusType, Message, MessageType, Variant
+from dbus_fast import BusType, Message, MessageFlag, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
 from . import __version__
@@ -58,6 +58,10 @@ class Client:
     def __init__(self, bus: MessageBus) -> None:
         self.bus = bus
 
+    # Like systemctl: someone at a terminal may be asked for a password by a polkit agent.
+    flags = (MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION if sys.stdin.isatty()
+             else MessageFlag.NONE)
+
     @classmethod
     async def connect(cls, address: str | None) -> Client:
         bus = MessageBus(bus_address=address) if address else MessageBus(bus_type=BusType.SYSTEM)
@@ -68,7 +72,8 @@ class Client:
                    destination: str = BUS_NAME) -> list[Any]:
         reply = await self.bus.call(Message(destination=destination, path=path,
                                             interface=interface, member=member,
-                                            signature=signature, body=list(body)))
+                                            signature=signature, body=list(body),
+                                            flags=self.flags))
         if reply.message_type == MessageType.ERROR:
             text = reply.body[0] if reply.body else reply.error_name
             raise ClientError(reply.error_name, str(text))

@@ -16,7 +16,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from dbus_fast import BusType, Message, MessageType, Variant
+from dbus_fast import BusType, Message, MessageFlag, MessageType, Variant
 from dbus_fast import introspection as intr
 from dbus_fast.aio import MessageBus
 from dbus_fast.aio.message_bus import _MessageWriter
@@ -37,6 +37,8 @@ log = logging.getLogger("dsr1d")
 
 INVALID_ARGS = "org.freedesktop.DBus.Error.InvalidArgs"
 ADMIN_GROUP = "dsr1d"
+# CheckAuthorization's flag AllowUserInteraction: an agent may ask the caller for a password.
+POLKIT_ALLOW_INTERACTION = 1
 POLKIT_ACTIONS = {"SwitchProfile": "org.dsr1d.switch-profile", "Reload": "org.dsr1d.reload",
                   "HoldProfile": "org.dsr1d.hold-profile", "ReleaseProfile": "org.dsr1d.hold-profile",
                   "Generate": "org.dsr1d.run-inference", "Submit": "org.dsr1d.run-inference",
@@ -53,6 +55,8 @@ class Caller:
 
     sender: str
     uid: int
+    # The caller set ALLOW_INTERACTIVE_AUTHORIZATION: polkit may ask it for a password.
+    interactive: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,7 +160,8 @@ class Authorizer:
         reply = await self.bus.call(Message(
             destination="org.freedesktop.PolicyKit1", path="/org/freedesktop/PolicyKit1/Authority",
             interface="org.freedesktop.PolicyKit1.Authority", member="CheckAuthorization",
-            signature="(sa{sv})sa{ss}us", body=[subject, action, {}, 0, ""]))
+            signature="(sa{sv})sa{ss}us",
+            body=[subject, action, {}, POLKIT_ALLOW_INTERACTION if caller.interactive else 0, ""]))
         if reply.message_type != MessageType.METHOD_RETURN:
             return False  # no polkit on this bus (or it refused): only root and the group
         return bool(reply.body[0][0])
@@ -289,7 +294,8 @@ class Dispatcher:
     async def _run(self, method: Method, msg: Message) -> None:
         try:
             # Reads are open to everyone: no uid is needed, so none is asked for.
-            caller = Caller(msg.sender, await self.auth.uid(msg.sender) if method.mutating else -1)
+            caller = Caller(msg.sender, await self.auth.uid(msg.sender) if method.mutating else -1,
+                            bool(msg.flags & MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION))
             if method.mutating:
                 await self.auth.check(caller, method.name)
             result = method.call(caller, *msg.body)

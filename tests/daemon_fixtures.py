@@ -38,7 +38,6 @@ POLICY = REPO / "etc/dbus-1/system.d/org.dsr1d.conf"
 
 BUS_NAME, PATH, MANAGER = "org.dsr1d", "/org/dsr1d", "org.dsr1d.Manager1"
 ERROR = "org.dsr1d.Error."
-DBUS_ACCESS_DENIED = "org.freedesktop.DBus.Error.AccessDenied"
 DBUS_INVALID_ARGS = "org.freedesktop.DBus.Error.InvalidArgs"
 AS_NOBODY = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
 BUILTINS = ("balanced", "latency", "powersave", "sustained", "throughput")
@@ -416,18 +415,6 @@ class BusClient:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
         self.loop.close()
-
-
-# Lets nobody through the bus policy, so that the daemon's own check is what answers.
-LAX_POLICY = """\
-<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Configuration 1.0//EN"
- "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <policy user="nobody">
-    <allow send_destination="org.dsr1d"/>
-  </policy>
-</busconfig>
-"""
 
 
 # -- fixtures ----------------------------------------------------------------------------------
