@@ -46,7 +46,7 @@ install:
 	$(if $(filter yes,$(ENGINE)),wheels=$$(LLAMA_CPP_PYTHON=$(LLAMA_CPP_PYTHON) tools/llama-wheel.sh $(PYTHON)) && ,)\
 	$(PYTHON) -m pip install -q --no-warn-script-location --upgrade --target $(DESTDIR)$(LIBDIR) \
 	  $(if $(filter yes,$(ENGINE)),--find-links "$$wheels" $(TORCH) '$(LLAMA)' '.[engine]',.)
-	for cmd in dsr1d:admin dsr1ctl:cli; do \
+	for cmd in dsr1d:edges.admin dsr1ctl:client.cli; do \
 	  printf '#!/usr/bin/python3\nimport sys\nsys.path.insert(0, "%s")\nfrom dsr1d.%s import main\nsys.exit(main())\n' \
 	    "$(LIBDIR)" "$${cmd#*:}" > $(DESTDIR)$(PREFIX)/bin/$${cmd%%:*}; \
 	  chmod 755 $(DESTDIR)$(PREFIX)/bin/$${cmd%%:*}; \

@@ -146,7 +146,7 @@ def main() -> None:
             PrivateBus([REPO / "etc/dbus-1/system.d/org.dsr1d.conf"]) as privbus:
         fake = intel_box(Path(tmp) / "root", cpus=args.cpus)
         daemon = subprocess.Popen(
-            [sys.executable, "-m", "dsr1d.admin", "run", "--root", str(fake.path),
+            [sys.executable, "-m", "dsr1d.edges.admin", "run", "--root", str(fake.path),
              "--config", "/dev/null", "--bus-address", privbus.address],
             stderr=subprocess.DEVNULL)
         try:

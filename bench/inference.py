@@ -209,7 +209,7 @@ class ServedRunner:
     def __init__(self, spec: dict[str, Any], row: Row) -> None:
         import logging
 
-        from dsr1d.engine_host import EngineHost
+        from dsr1d.edges.engine_host import EngineHost
 
         logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
         # The loop runs all the time, as in the daemon: health pings go on between runs.

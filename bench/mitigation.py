@@ -1,7 +1,7 @@
 """Throttle mitigation on the calibrated thermal plant: mitigated vs unmitigated.
 
 One run each of 10 simulated minutes of sustained decode on the `XEON_SUSTAINED` preset
-(dsr1d.sim), the controller with its default `[mitigation]` configuration. Prints a table and a
+(dsr1d.sim.sim), the controller with its default `[mitigation]` configuration. Prints a table and a
 JSON object; never passes or fails (the exit status is 0 either way). Simulated time: it takes
 about a second. Usage: .venv/bin/python bench/mitigation.py [--seconds 600] [--json-only]
 
@@ -33,8 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from dsr1d.mitigation import Controller, MitigationConfig
-from dsr1d.sim import XEON_SUSTAINED, simulate, summarize
+from dsr1d.core.mitigation import Controller, MitigationConfig
+from dsr1d.sim.sim import XEON_SUSTAINED, simulate, summarize
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,7 +58,7 @@ def daemon_cpu_share(seconds: float, interval: float) -> float:
         conf = Path(tmp) / "dsr1d.conf"
         conf.write_text(f"[daemon]\ndefault_profile = idle\ntelemetry_interval_s = {interval}\n")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dsr1d.admin", "run", "--config", str(conf), "--bus-address",
+            [sys.executable, "-m", "dsr1d.edges.admin", "run", "--config", str(conf), "--bus-address",
              bus.address, "--journal", f"{tmp}/state.json", "--profiles-dir", str(profiles)],
             stderr=subprocess.DEVNULL)
         try:

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from fakeroot import intel_box  # noqa: E402
 
-from dsr1d.context import build_core  # noqa: E402
+from dsr1d.core.context import build_core  # noqa: E402
 
 
 def timed(fn, repeat: int) -> float:

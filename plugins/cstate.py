@@ -26,11 +26,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsr1d.hookspecs import hookimpl
-from dsr1d.knobs import FileKnob, MsrKnob, PmQosKnob
-from dsr1d.schema import choice, integer, option, word_list
-from dsr1d.sysroot import CPU_DIR, SysRoot
-from dsr1d.tunable import Action, Setting, Skip, Support, summarize_per_cpu
+from dsr1d.contract.hookspecs import hookimpl
+from dsr1d.contract.knobs import FileKnob, MsrKnob, PmQosKnob
+from dsr1d.contract.schema import choice, integer, option, word_list
+from dsr1d.contract.sysroot import CPU_DIR, SysRoot
+from dsr1d.contract.tunable import Action, Setting, Skip, Support, summarize_per_cpu
 
 CPUIDLE = f"{CPU_DIR}/cpuidle"
 GOVERNOR = f"{CPUIDLE}/current_governor"

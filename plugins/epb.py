@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsr1d.hookspecs import hookimpl
-from dsr1d.knobs import FileKnob, Knob, MsrKnob
-from dsr1d.schema import choice, either, integer, option
-from dsr1d.sysroot import CPU_DIR, SysRoot
-from dsr1d.tunable import Action, Setting, Skip, Support, summarize_per_cpu
+from dsr1d.contract.hookspecs import hookimpl
+from dsr1d.contract.knobs import FileKnob, Knob, MsrKnob
+from dsr1d.contract.schema import choice, either, integer, option
+from dsr1d.contract.sysroot import CPU_DIR, SysRoot
+from dsr1d.contract.tunable import Action, Setting, Skip, Support, summarize_per_cpu
 
 IA32_ENERGY_PERF_BIAS = 0x1B0
 # The kernel's names for EPB values (arch/x86/kernel/cpu/intel_epb.c).

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsr1d.hookspecs import hookimpl
-from dsr1d.knobs import FileKnob
-from dsr1d.schema import integer, option
-from dsr1d.sysroot import SysRoot
-from dsr1d.tunable import Action, Setting, Skip, Support
+from dsr1d.contract.hookspecs import hookimpl
+from dsr1d.contract.knobs import FileKnob
+from dsr1d.contract.schema import integer, option
+from dsr1d.contract.sysroot import SysRoot
+from dsr1d.contract.tunable import Action, Setting, Skip, Support
 
 POWERCAP = "sys/class/powercap"
 

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsr1d.hookspecs import hookimpl
-from dsr1d.knobs import MsrKnob
-from dsr1d.schema import boolean, option
-from dsr1d.sysroot import SysRoot
-from dsr1d.tunable import Action, Setting, Skip, Support, summarize_per_cpu
+from dsr1d.contract.hookspecs import hookimpl
+from dsr1d.contract.knobs import MsrKnob
+from dsr1d.contract.schema import boolean, option
+from dsr1d.contract.sysroot import SysRoot
+from dsr1d.contract.tunable import Action, Setting, Skip, Support, summarize_per_cpu
 
 MSR_MISC_FEATURE_CONTROL = 0x1A4
 # option -> disable bit in MSR 0x1A4

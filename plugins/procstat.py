@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsr1d.hookspecs import hookimpl
-from dsr1d.sysroot import SysRoot
-from dsr1d.telemetry_sources import UNAVAILABLE, Unavailable, describe_oserror
-from dsr1d.tunable import Support
+from dsr1d.constants import LOAD_1M
+from dsr1d.contract.hookspecs import hookimpl
+from dsr1d.contract.sysroot import SysRoot
+from dsr1d.contract.telemetry import UNAVAILABLE, Unavailable, describe_oserror
+from dsr1d.contract.tunable import Support
 
 STAT = "proc/stat"
 LOADAVG = "proc/loadavg"
@@ -70,7 +71,7 @@ class ProcStat:
         missing: dict[str, str] = {}
         try:
             load = root.read(LOADAVG).split()
-            out["load_1m"], out["load_5m"], out["load_15m"] = (float(x) for x in load[:3])
+            out[LOAD_1M], out["load_5m"], out["load_15m"] = (float(x) for x in load[:3])
         except (OSError, ValueError) as exc:
             missing["loadavg"] = describe_oserror(exc) if isinstance(exc, OSError) \
                 else f"{root.display(LOADAVG)}: unparseable"

@@ -20,11 +20,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from dsr1d.hookspecs import hookimpl
-from dsr1d.sysroot import SysRoot
-from dsr1d.telemetry_sources import UNAVAILABLE, Unavailable, describe_oserror, read_int, \
+from dsr1d.constants import PKG_POWER_W
+from dsr1d.contract.hookspecs import hookimpl
+from dsr1d.contract.sysroot import SysRoot
+from dsr1d.contract.telemetry import UNAVAILABLE, Unavailable, describe_oserror, read_int, \
     sanitize
-from dsr1d.tunable import Support
+from dsr1d.contract.tunable import Support
 
 POWERCAP = "sys/class/powercap"
 CVE_NOTE = "root-only since CVE-2020-8694"
@@ -152,7 +153,7 @@ class Rapl:
             if d.package:
                 package_w.append(watts)
         if package_w and not package_missing:
-            out["pkg_power_w"] = round(sum(package_w), 3)
+            out[PKG_POWER_W] = round(sum(package_w), 3)
         if vanished:  # hotplug: find the domains again for the next read
             self.domains = self.discover(root)
         if missing:

@@ -26,11 +26,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsr1d.hookspecs import hookimpl
-from dsr1d.sysroot import CPU_DIR, SysRoot
-from dsr1d.telemetry_sources import UNAVAILABLE, Unavailable, describe_oserror, msr_reader, \
+from dsr1d.constants import CPU_MHZ, PKG_TEMP_C, THROTTLE_COUNT
+from dsr1d.contract.hookspecs import hookimpl
+from dsr1d.contract.sysroot import CPU_DIR, SysRoot
+from dsr1d.contract.telemetry import UNAVAILABLE, Unavailable, describe_oserror, msr_reader, \
     read_int, sanitize
-from dsr1d.tunable import Support
+from dsr1d.contract.tunable import Support
 
 THERMAL = "sys/class/thermal"
 HWMON = "sys/class/hwmon"
@@ -124,7 +125,7 @@ class ThermalZones(_Cached):
             if z.type == "x86_pkg_temp":
                 pkg.append(value)
         if pkg:
-            out["pkg_temp_c"] = max(pkg)
+            out[PKG_TEMP_C] = max(pkg)
         if missing:
             out[UNAVAILABLE] = missing
         if not out:
@@ -202,9 +203,9 @@ class Hwmon(_Cached):
             elif s.chip == "k10temp" and s.label in ("Tdie", "Tctl"):
                 amd[s.label] = value
         if packages:
-            out["pkg_temp_c"] = max(packages)
+            out[PKG_TEMP_C] = max(packages)
         elif amd:
-            out["pkg_temp_c"] = amd.get("Tdie", amd.get("Tctl"))
+            out[PKG_TEMP_C] = amd.get("Tdie", amd.get("Tctl"))
         if cores:
             out["core_temp_c"] = [v for _, v in cores]
         if missing:
@@ -285,7 +286,7 @@ class ThrottleCounters(_Cached):
             out["throttle_core_count"] = totals["core"]
         if c.package:
             out["throttle_package_count"] = totals["package"]
-        out["throttle_count"] = totals["core"] + totals["package"]
+        out[THROTTLE_COUNT] = totals["core"] + totals["package"]
         return out
 
 
@@ -360,7 +361,7 @@ class CpufreqMhz(_Cached):
     name = "cpufreq"
     summary = "cpufreq scaling_cur_freq per CPU (what the kernel last asked for / saw)"
     priority = 70
-    provides = frozenset({"cpu_mhz"})  # not read while turbostat measures cpu_mhz
+    provides = frozenset({CPU_MHZ})  # not read while turbostat measures cpu_mhz
 
     def discover(self, root: SysRoot) -> list[tuple[int, str]]:
         out = []
@@ -392,7 +393,7 @@ class CpufreqMhz(_Cached):
             raise Unavailable("; ".join(f"{k}: {v}" for k, v in missing.items()))
         if not mhz:
             raise Unavailable("no CPU has cpufreq/scaling_cur_freq")
-        return {"cpu_mhz": mhz, "cpu_mhz_avg": round(sum(mhz) / len(mhz), 1)}
+        return {CPU_MHZ: mhz, "cpu_mhz_avg": round(sum(mhz) / len(mhz), 1)}
 
 
 @hookimpl

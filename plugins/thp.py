@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsr1d.hookspecs import hookimpl
-from dsr1d.knobs import FileKnob, SelectKnob
-from dsr1d.schema import boolean, choice, option
-from dsr1d.sysroot import SysRoot
-from dsr1d.tunable import Action, Setting, Support
+from dsr1d.contract.hookspecs import hookimpl
+from dsr1d.contract.knobs import FileKnob, SelectKnob
+from dsr1d.contract.schema import boolean, choice, option
+from dsr1d.contract.sysroot import SysRoot
+from dsr1d.contract.tunable import Action, Setting, Support
 
 THP_DIR = "sys/kernel/mm/transparent_hugepage"
 KNOBS = {

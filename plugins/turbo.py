@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsr1d.hookspecs import hookimpl
-from dsr1d.knobs import FileKnob
-from dsr1d.schema import boolean, option
-from dsr1d.sysroot import CPU_DIR, SysRoot
-from dsr1d.tunable import Action, Setting, Skip, Support
+from dsr1d.contract.hookspecs import hookimpl
+from dsr1d.contract.knobs import FileKnob
+from dsr1d.contract.schema import boolean, option
+from dsr1d.contract.sysroot import CPU_DIR, SysRoot
+from dsr1d.contract.tunable import Action, Setting, Skip, Support
 
 NO_TURBO = f"{CPU_DIR}/intel_pstate/no_turbo"
 BOOST = f"{CPU_DIR}/cpufreq/boost"

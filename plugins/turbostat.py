@@ -32,10 +32,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from dsr1d.hookspecs import hookimpl
-from dsr1d.sysroot import SysRoot
-from dsr1d.telemetry_sources import UNAVAILABLE, Pending, Unavailable
-from dsr1d.tunable import Support
+from dsr1d.constants import BUSY_MHZ, CPU_MHZ, PKG_POWER_W, PKG_TEMP_C
+from dsr1d.contract.hookspecs import hookimpl
+from dsr1d.contract.sysroot import SysRoot
+from dsr1d.contract.telemetry import UNAVAILABLE, Pending, Unavailable
+from dsr1d.contract.tunable import Support
 
 log = logging.getLogger("dsr1d")
 
@@ -49,8 +50,8 @@ KNOWN_COLUMNS = frozenset({
 })
 # summary column -> sample key
 SUMMARY_KEYS = {
-    "Busy%": "busy_percent", "%Busy": "busy_percent", "Bzy_MHz": "busy_mhz",
-    "Avg_MHz": "avg_mhz", "PkgTmp": "pkg_temp_c", "PkgWatt": "pkg_power_w",
+    "Busy%": "busy_percent", "%Busy": "busy_percent", "Bzy_MHz": BUSY_MHZ,
+    "Avg_MHz": "avg_mhz", "PkgTmp": PKG_TEMP_C, "PkgWatt": PKG_POWER_W,
     "CorWatt": "core_power_w", "RAMWatt": "ram_power_w",
 }
 PROBE_WAIT_S = 0.5
@@ -118,15 +119,15 @@ class Interval:
         rows.sort(key=lambda r: int(float(r["CPU"])))
         mhz = [_float(r.get("Bzy_MHz")) for r in rows]
         if rows and all(m is not None for m in mhz):
-            out["cpu_mhz"] = mhz
+            out[CPU_MHZ] = mhz
         temps = [_float(r.get("CoreTmp")) for r in self.cpus if r.get("CoreTmp") not in (None, "-")]
         temps = [t for t in temps if t is not None]
         if temps:
             out["core_temp_c"] = temps
-        if "pkg_temp_c" not in out:  # no summary row: the hottest package row
+        if PKG_TEMP_C not in out:  # no summary row: the hottest package row
             pkg = [t for t in (_float(r.get("PkgTmp")) for r in self.cpus) if t is not None]
             if pkg:
-                out["pkg_temp_c"] = max(pkg)
+                out[PKG_TEMP_C] = max(pkg)
         return out
 
 

@@ -25,7 +25,7 @@ def run_dsr1d(*args: str, env: dict[str, str] | None = None,
               check: bool = False) -> subprocess.CompletedProcess[str]:
     """Run the real ``dsr1d`` command line in a subprocess."""
     full_env = {**os.environ, "PYTHONPATH": str(TESTS), **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "dsr1d.admin", *args], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "dsr1d.edges.admin", *args], capture_output=True,
                           text=True, env=full_env, timeout=120)
     if check and proc.returncode != 0:
         raise AssertionError(f"dsr1d {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsr1d.hookspecs import hookimpl
+from dsr1d.contract.hookspecs import hookimpl
 
 HERE = Path(__file__).resolve().parent
 
@@ -132,7 +132,7 @@ def env(**extra: str) -> dict[str, str]:
 
 
 def dsr1d_command(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "dsr1d.admin", *args]
+    return [sys.executable, "-m", "dsr1d.edges.admin", *args]
 
 
 def trace(args: list[str], report: Path) -> tuple[subprocess.CompletedProcess[str], list[Call]]:

@@ -145,7 +145,7 @@ class NotifySocket:
 # -- the daemon as a subprocess ----------------------------------------------------------------
 
 class Daemon:
-    """``python -m dsr1d.admin run`` against a fake root on the private bus."""
+    """``python -m dsr1d.edges.admin run`` against a fake root on the private bus."""
 
     _count = 0
 
@@ -169,7 +169,7 @@ class Daemon:
         return self.proc.pid
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "dsr1d.admin", "run", "--root", str(self.root),
+        return [sys.executable, "-m", "dsr1d.edges.admin", "run", "--root", str(self.root),
                 "--config", str(self.config), "--bus-address", self.bus.address, *self.args]
 
     def start(self) -> "Daemon":
@@ -307,8 +307,8 @@ def active(bus: PrivateBus) -> str:
 
 def dsr1ctl(bus: PrivateBus, *args: str, nobody: bool = False, address: str | None = None,
             timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """The real ``dsr1ctl`` (``python -m dsr1d.cli``) with ``--bus-address``."""
-    return run(bus, sys.executable, "-m", "dsr1d.cli", "--bus-address", address or bus.address,
+    """The real ``dsr1ctl`` (``python -m dsr1d.client.cli``) with ``--bus-address``."""
+    return run(bus, sys.executable, "-m", "dsr1d.client.cli", "--bus-address", address or bus.address,
                *args, nobody=nobody, timeout=timeout)
 
 

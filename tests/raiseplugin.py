@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from dsr1d.hookspecs import hookimpl
+from dsr1d.contract.hookspecs import hookimpl
 
 _knob_writes = 0
 

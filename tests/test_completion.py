@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 def complete(tmp_path: Path, tool: str, *words: str) -> list[str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    module = "dsr1d.admin" if tool == "dsr1d" else "dsr1d.cli"
+    module = "dsr1d.edges.admin" if tool == "dsr1d" else "dsr1d.client.cli"
     launcher = bin_dir / tool
     launcher.write_text(f"#!/bin/sh\nexec {sys.executable} -m {module} \"$@\"\n")
     launcher.chmod(0o755)

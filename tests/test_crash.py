@@ -22,7 +22,7 @@ import pytest
 
 import crashplugin
 from conftest import run_dsr1d
-from dsr1d.context import build_core
+from dsr1d.core.context import build_core
 from fakeroot import CPU, THP, intel_box
 from fakeroot import diff_snapshots as diff
 from fakeroot import snapshot_tree as snapshot

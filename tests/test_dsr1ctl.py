@@ -1,4 +1,4 @@
-"""``dsr1ctl`` (``python -m dsr1d.cli``) against the real daemon on a private system-like bus.
+"""``dsr1ctl`` (``python -m dsr1d.client.cli``) against the real daemon on a private system-like bus.
 
 Exit statuses (cli.py): 0 done; 1 the daemon could not do it / drift; 2 bad input (unknown
 profile); 3 the daemon is not reachable; 4 access denied. ``hold`` exits with its command's.
@@ -135,7 +135,7 @@ def test_hold_runs_the_command_and_exits_with_its_status(daemon, bus, fake):
     gone and dsr1ctl exits with the command's status."""
     probe = _shell("busctl", "--system", "get-property", BUS_NAME, PATH, MANAGER,
                    "ActiveProfile")
-    status = _shell(sys.executable, "-m", "dsr1d.cli", "--bus-address", bus.address, "status")
+    status = _shell(sys.executable, "-m", "dsr1d.client.cli", "--bus-address", bus.address, "status")
     command = f"{probe}; {status}; cat {shlex.quote(str(fake.path / EPB.format(0)))}; exit 7"
     proc = dsr1ctl(bus, "hold", "powersave", "--reason", "nightly batch", "--", "sh", "-c",
                    command)
@@ -198,7 +198,7 @@ def test_sigterm_to_hold_reaches_the_command_and_releases(daemon, bus, tmp_path)
     signal, the hold is released, the exit status says how the job ended."""
     out = open(tmp_path / "ctl.out", "w+")  # files, not pipes: nothing can block on them
     ctl = subprocess.Popen(
-        [sys.executable, "-m", "dsr1d.cli", "--bus-address", bus.address, "hold", "latency",
+        [sys.executable, "-m", "dsr1d.client.cli", "--bus-address", bus.address, "hold", "latency",
          "--", "sleep", "600"],
         env=bus.env(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     sleeper = None
@@ -269,7 +269,7 @@ def test_profile_reapply_repairs_drift(daemon, bus, fake):
 
 
 def test_output_into_a_closed_pipe_is_not_a_traceback(daemon, bus):
-    command = (f"{shlex.quote(sys.executable)} -m dsr1d.cli --bus-address "
+    command = (f"{shlex.quote(sys.executable)} -m dsr1d.client.cli --bus-address "
                f"{shlex.quote(bus.address)} status | head -1")
     proc = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True,
                           text=True, timeout=60)
@@ -278,7 +278,7 @@ def test_output_into_a_closed_pipe_is_not_a_traceback(daemon, bus):
 
 
 def test_version_is_printed():
-    proc = subprocess.run([sys.executable, "-m", "dsr1d.cli", "--version"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "dsr1d.client.cli", "--version"], capture_output=True,
                           text=True, timeout=30)
     assert proc.returncode == 0 and proc.stdout.startswith("dsr1ctl ")
 

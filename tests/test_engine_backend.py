@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from dsr1d.config import load_config
+from dsr1d.core.config import load_config
 from dsr1d.engine.backend import choose, gguf_dtype, is_gguf
 from dsr1d.engine.errors import ModelError
 from dsr1d.engine.gguf_cache import (cached_gguf, entry_path, source_files, source_key,
                                      valid_entry)
+from dsr1d.core.profiles import ProfileError
 from dsr1d.engine.gguf_convert import convert
 from dsr1d.engine.synth import synthesize
-from dsr1d.profiles import ProfileError
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_the_backend_is_a_config_key_and_a_profile_key(tmp_path: Path) -> None:
     config = load_config(conf)
     assert (config.engine_backend, config.engine_cache_dir) == ("torch", "/var/tmp/x")
     conf.write_text("[daemon]\nengine_backend = onnx\n")
-    with pytest.raises(ProfileError, match=r"dsr1d.conf:2: engine_backend"):
+    with pytest.raises(ProfileError, match=r"dsr1d.conf:2: \[daemon\] engine_backend"):
         load_config(conf)
 
 

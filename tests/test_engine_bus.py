@@ -19,7 +19,7 @@ import pytest
 
 pytest.register_assert_rewrite("daemon_fixtures", "engine_fixtures")
 from daemon_fixtures import (BUS_NAME, DBUS_INVALID_ARGS, ERROR,  # noqa: E402
-                             POLICY, BusClient, busctl, dsr1ctl, error_of, eventually, prop, run)
+                             BusClient, busctl, dsr1ctl, error_of, eventually, prop, run)
 from engine_fixtures import (ENGINE, ENGINE_PATH, ENGINE_SIGNALS, JOB_TIMEOUT,  # noqa: E402
                              EngineDaemon, engine, engine_async, engine_daemon_running, finished,
                              first_token, job_signals, options, plain, reply_of, worker_of)
@@ -129,7 +129,7 @@ def test_generate_with_busctl_equals_the_in_process_fp32_generator(served, refer
 
 
 def test_submit_streams_tokens_in_order_then_one_finished(served, root, reference):
-    from dsr1d.engine.textstream import ThinkSplitter
+    from dsr1d.textstream import ThinkSplitter
 
     (job,) = root.ok("Submit", "sa{sv}", PROMPT, options(greedy=True, max_new_tokens=20,
                                                          ignore_eos=True),

@@ -1,4 +1,4 @@
-"""The inference engine in-process (dsr1d.engine.*, dsr1d.engine_host.validate_options) on the
+"""The inference engine in-process (dsr1d.engine.*, dsr1d.edges.engine_host.validate_options) on the
 tiny synthetic R1-Distill-Qwen model: loading errors, the loader against transformers' own,
 greedy decoding against ``model.generate``, weight-only int8/int4 against the fp32 reference,
 sampling, the chat template, streaming text (UTF-8 and the ``</think>`` split), limits, cancel.
@@ -23,12 +23,12 @@ psutil = pytest.importorskip("psutil")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from dsr1d.edges.engine_host import InvalidArgument, validate_options  # noqa: E402
 from dsr1d.engine import synth  # noqa: E402
 from dsr1d.engine.generate import Generator, InvalidRequest  # noqa: E402
 from dsr1d.engine.model import DTYPES, ModelError, check_memory, choose_dtype, load  # noqa: E402
 from dsr1d.engine.quant import INT4_GROUP, Int4Linear, Int8Linear  # noqa: E402
-from dsr1d.engine.textstream import IncrementalDecoder, ThinkSplitter  # noqa: E402
-from dsr1d.engine_host import InvalidArgument, validate_options  # noqa: E402
+from dsr1d.textstream import IncrementalDecoder, ThinkSplitter  # noqa: E402
 pytest.register_assert_rewrite("engine_fixtures", "daemon_fixtures")
 from engine_fixtures import copy_model, forced_token_model  # noqa: E402
 

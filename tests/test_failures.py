@@ -32,9 +32,9 @@ import pytest
 
 import crashplugin
 from conftest import run_dsr1d
-from dsr1d.context import build_core
-from dsr1d.hookspecs import hookimpl
-from dsr1d.tuning import ApplyFailed, TuningError
+from dsr1d.contract.hookspecs import hookimpl
+from dsr1d.core.context import build_core
+from dsr1d.core.tuning import ApplyFailed, TuningError
 from fakeroot import CPU, THP, intel_box
 from fakeroot import diff_snapshots as diff
 from fakeroot import snapshot_tree as snapshot

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dsr1d.profiles import MAX_FILE_BYTES, ProfileError, parse_ini, read_text_file
+from dsr1d.core.profiles import MAX_FILE_BYTES, ProfileError, parse_ini, read_text_file
 
 SECRET = "root:$y$j9T$S3CR3T-HASH:19000:0:99999:7:::"
 
@@ -55,7 +55,7 @@ def test_a_symlink_to_a_secret_is_never_quoted(tmp_path: Path) -> None:
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dsr1d.admin", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "dsr1d.edges.admin", *args], capture_output=True,
                           text=True, timeout=30)
 
 

@@ -1,6 +1,6 @@
 """The plugin contract: meta-tests over every hookspec (datasette style) and plugin behaviour.
 
-Every hook in ``dsr1d.hookspecs`` must document each parameter, be documented in the README's
+Every hook in ``dsr1d.contract.hookspecs`` must document each parameter, be documented in the README's
 "Plugin hooks" section, and be exercised by some other test file.
 """
 
@@ -17,10 +17,10 @@ import pytest
 
 import extra_tunable
 from conftest import REPO, TESTS, run_dsr1d
-from dsr1d import hookspecs
-from dsr1d.context import build_core
-from dsr1d.hookspecs import hookimpl
-from dsr1d.plugin_manager import PluginError, collect_tunables, make_manager
+from dsr1d.contract import hookspecs
+from dsr1d.contract.hookspecs import hookimpl
+from dsr1d.core.context import build_core
+from dsr1d.core.plugin_manager import PluginError, collect_tunables, make_manager
 from dsr1d.plugins.thp import Thp
 from fakeroot import FakeRoot, intel_box
 
@@ -155,7 +155,7 @@ def test_profile_section_without_its_plugin_is_an_error(swap_root: FakeRoot) -> 
 def test_misspelt_hookimpl_exits_2(tmp_path: Path) -> None:
     fake = intel_box(tmp_path / "root", cpus=1)
     env = tmp_plugin(tmp_path, "misspelt", """
-        from dsr1d.hookspecs import hookimpl
+        from dsr1d.contract.hookspecs import hookimpl
 
         @hookimpl
         def register_tunable(register):
@@ -181,7 +181,7 @@ def test_missing_plugin_module_exits_2(fake: FakeRoot) -> None:
 def test_two_plugins_with_one_tunable_name_exit_2(tmp_path: Path) -> None:
     fake = intel_box(tmp_path / "root", cpus=1)
     env = tmp_plugin(tmp_path, "other_swappy", """
-        from dsr1d.hookspecs import hookimpl
+        from dsr1d.contract.hookspecs import hookimpl
         from extra_tunable import Swappy
 
         @hookimpl

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dsr1d.config import DAEMON_SCHEMA
+from dsr1d.core.config import DAEMON_SCHEMA
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = {"dsr1d.8": "dsr1d", "dsr1ctl.1": "dsr1ctl", "dsr1d.conf.5": "dsr1d.conf",

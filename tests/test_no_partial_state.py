@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 
 def dsr1d(fake: FakeRoot, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("DSR1D_")}
-    return subprocess.run([sys.executable, "-m", "dsr1d.admin", *args, "--root", str(fake.path)],
+    return subprocess.run([sys.executable, "-m", "dsr1d.edges.admin", *args, "--root", str(fake.path)],
                           capture_output=True, text=True, timeout=60, env={**base, **env})
 
 

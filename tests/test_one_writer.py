@@ -21,7 +21,7 @@ EXIT_BUSY = 4
 
 
 def dsr1d(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dsr1d.admin", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "dsr1d.edges.admin", *args], capture_output=True,
                           text=True, timeout=60)
 
 

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsr1d import placement
-from dsr1d.placement import (Cpu, Placement, Topology, bind_memory, describe, format_cpu_list,
+from dsr1d.core import placement
+from dsr1d.core.placement import (Cpu, Placement, Topology, bind_memory, describe, format_cpu_list,
                              plan, read_topology)
-from dsr1d.sysroot import SysRoot
+from dsr1d.contract.sysroot import SysRoot
 
 CPU = "sys/devices/system/cpu"
 NODE = "sys/devices/system/node"
@@ -402,7 +402,7 @@ def test_bind_memory_reports_bad_nodes_instead_of_raising() -> None:
 GET_MEMPOLICY_SYSCALL = {"x86_64": 239, "aarch64": 236}
 CHECK_NODE0 = f"""
 import ctypes, platform, sys
-from dsr1d.placement import bind_memory
+from dsr1d.core.placement import bind_memory
 error = bind_memory([0])
 if error:
     print(error)

@@ -1,4 +1,4 @@
-"""Profiles: the INI parser, include resolution and validation (dsr1d.profiles).
+"""Profiles: the INI parser, include resolution and validation (dsr1d.core.profiles).
 
 Schemas come from the real tunables (``build_core`` on a fake root), never from stand-ins, so a
 profile that loads here loads in the daemon.
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dsr1d.context import build_core
-from dsr1d.profiles import ProfileError, ProfileStore, UnknownProfile, builtin_dir, parse_ini
+from dsr1d.core.context import build_core
+from dsr1d.core.profiles import ProfileError, ProfileStore, UnknownProfile, builtin_dir, parse_ini
 from fakeroot import intel_box
 
 BUILTINS = ("balanced", "latency", "powersave", "sustained", "throughput")

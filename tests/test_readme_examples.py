@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from dsr1d.context import build_core
+from dsr1d.core.context import build_core
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

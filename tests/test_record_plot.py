@@ -16,7 +16,7 @@ import pytest
 pytest.register_assert_rewrite("daemon_fixtures")
 from daemon_fixtures import dsr1ctl, eventually  # noqa: E402
 
-from dsr1d.plot import RecordWriter, flatten, read_timeline  # noqa: E402
+from dsr1d.client.plot import RecordWriter, flatten, read_timeline  # noqa: E402
 
 pytest_plugins = ["daemon_fixtures"]
 
@@ -25,8 +25,8 @@ NO_BUS = "unix:path=/nonexistent/dsr1d-test-no-bus"
 
 
 def ctl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m dsr1d.cli`` pointed at a bus that does not exist (plot must not need one)."""
-    return subprocess.run([sys.executable, "-m", "dsr1d.cli", "--bus-address", NO_BUS, *args],
+    """``python -m dsr1d.client.cli`` pointed at a bus that does not exist (plot must not need one)."""
+    return subprocess.run([sys.executable, "-m", "dsr1d.client.cli", "--bus-address", NO_BUS, *args],
                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
                           env={**os.environ, **(env or {})})
 
@@ -196,7 +196,7 @@ def test_record_without_a_daemon_exits_3(bus, tmp_path):
 def test_record_stops_early_on_sigint_and_keeps_the_samples(daemon, bus, tmp_path):
     data = tmp_path / "rec.csv"
     ctl_proc = subprocess.Popen(
-        [sys.executable, "-m", "dsr1d.cli", "--bus-address", bus.address, "record", "--seconds",
+        [sys.executable, "-m", "dsr1d.client.cli", "--bus-address", bus.address, "record", "--seconds",
          "60", "--interval", "0.2", str(data)],
         env=bus.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         stdin=subprocess.DEVNULL)
@@ -215,7 +215,7 @@ def test_record_stops_early_on_sigint_and_keeps_the_samples(daemon, bus, tmp_pat
 
 
 def test_progress_line_shows_only_what_was_reported():
-    from dsr1d.plot import progress_line
+    from dsr1d.client.plot import progress_line
 
     full = flatten(1.5, {"ActiveProfile": "sustained", "ThrottleState": "mitigating",
                          "Mitigations": ["rapl_pl1"]},

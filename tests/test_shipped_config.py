@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from dsr1d.config import DAEMON_SCHEMA, load_config
+from dsr1d.core.config import DAEMON_SCHEMA, load_config
 
 SHIPPED = Path(__file__).resolve().parent.parent / "etc/dsr1d/dsr1d.conf"
 

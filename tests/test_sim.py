@@ -1,4 +1,4 @@
-"""The thermal plant simulator (dsr1d.sim): calibration, physics, fake root, command line.
+"""The thermal plant simulator (dsr1d.sim.sim): calibration, physics, fake root, command line.
 
 Simulated time only: nothing here sleeps or measures the wall clock.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsr1d.sim import (CPU, MAX_ENERGY_UJ, RAPL, XEON_SUSTAINED, Controls, Plant, apply_controls,
+from dsr1d.sim.sim import (CPU, MAX_ENERGY_UJ, RAPL, XEON_SUSTAINED, Controls, Plant, apply_controls,
                        read_controls, simulate, simulate_main, summarize)
 
 
@@ -172,8 +172,8 @@ def test_profile_mitigation_section_builds_a_controller_config(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
     from fakeroot import intel_box
 
-    from dsr1d.context import build_core
-    from dsr1d.mitigation import MitigationConfig
+    from dsr1d.core.context import build_core
+    from dsr1d.core.mitigation import MitigationConfig
 
     fake = intel_box(tmp_path / "root", cpus=1)
     (fake.path / "etc/dsr1d/profiles").mkdir(parents=True)
@@ -196,7 +196,7 @@ def test_bad_simulate_arguments_are_clear_errors_not_tracebacks(args: list[str],
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "dsr1d.admin", "simulate", *args],
+    proc = subprocess.run([sys.executable, "-m", "dsr1d.edges.admin", "simulate", *args],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and why in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr

@@ -21,17 +21,18 @@ from typing import Any, Callable
 
 import pytest
 
-from dsr1d.hookspecs import hookimpl
-from dsr1d.plugin_manager import collect_tunables, make_manager
+from dsr1d.contract.hookspecs import hookimpl
+from dsr1d.core.plugin_manager import collect_tunables, make_manager
 from dsr1d.plugins.procstat import ProcStat
 from dsr1d.plugins.rapl import CVE_NOTE, Rapl
 from dsr1d.plugins.thermal import CpufreqMhz, Hwmon, MsrThermStatus, ThermalZones, \
     ThrottleCounters
+from dsr1d.contract.sysroot import SysRoot
+from dsr1d.contract.telemetry import Unavailable
+from dsr1d.contract.tunable import Support
+from dsr1d.core.plugin_manager import PluginError
+from dsr1d.core.sampler import Sampler, collect_sources
 from dsr1d.plugins.turbostat import SHOW, Turbostat, TurbostatParser, parse_turbostat
-from dsr1d.sysroot import SysRoot
-from dsr1d.plugin_manager import PluginError
-from dsr1d.telemetry_sources import Sampler, Unavailable, collect_sources
-from dsr1d.tunable import Support
 from fakeroot import FakeRoot
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "turbostat"
@@ -361,8 +362,8 @@ def test_rapl_root_only_since_cve_2020_8694(tmp_path: Path) -> None:
     try:
         code = textwrap.dedent(f"""
             from dsr1d.plugins.rapl import Rapl
-            from dsr1d.sysroot import SysRoot
-            from dsr1d.telemetry_sources import Sampler
+            from dsr1d.contract.sysroot import SysRoot
+            from dsr1d.core.sampler import Sampler
             root = SysRoot({str(fake.path)!r})
             print(Rapl().probe(root).detail)
             print(Sampler(root, {{"rapl": Rapl()}}).sample()["unavailable"]["rapl"])
@@ -661,8 +662,8 @@ def test_register_telemetry_sources_from_a_third_party_plugin(
     """A module named in DSR1D_PLUGINS implements register_telemetry_sources; the sampler
     shows what it measures."""
     (tmp_path / "gpu_probe.py").write_text(textwrap.dedent("""
-        from dsr1d.hookspecs import hookimpl
-        from dsr1d.tunable import Support
+        from dsr1d.contract.hookspecs import hookimpl
+        from dsr1d.contract.tunable import Support
 
         class Fan:
             name = "fan"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsr1d.engine_host import EngineHost
+from dsr1d.edges.engine_host import EngineHost
 from fakeroot import intel_box
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dsr1d.context import build_core
-from dsr1d.profiles import Profile
+from dsr1d.core.context import build_core
+from dsr1d.core.profiles import Profile
 from fakeroot import CPU, THP, FakeRoot, intel_box
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..constants import ENGINE_BACKENDS
-from .errors import ModelError
+from dsr1d.constants import ENGINE_BACKENDS
+from dsr1d.engine.errors import ModelError
 
 BACKENDS = ENGINE_BACKENDS
 GGUF_MAGIC = b"GGUF"

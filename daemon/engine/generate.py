@@ -9,9 +9,9 @@ from typing import Any, Callable
 
 import torch
 
-from .model import Loaded
-from .request import DEFAULTS, InvalidRequest, OnText, Result, check_budget, decode_stats
-from .textstream import IncrementalDecoder, ThinkSplitter, emit
+from dsr1d.engine.model import Loaded
+from dsr1d.engine.request import DEFAULTS, InvalidRequest, OnText, Result, check_budget, decode_stats
+from dsr1d.textstream import IncrementalDecoder, ThinkSplitter, emit
 
 __all__ = ["DEFAULTS", "Generator", "InvalidRequest", "Result"]
 

@@ -21,9 +21,9 @@ import re
 from pathlib import Path
 from typing import Callable
 
-from .backend import model_name
-from .errors import ModelError
-from .gguf_file import inspect_gguf
+from dsr1d.engine.backend import model_name
+from dsr1d.engine.errors import ModelError
+from dsr1d.engine.gguf_file import inspect_gguf
 
 Progress = Callable[[int, int, str], None]
 Converter = Callable[[Path, Path, str, Progress | None], Path]

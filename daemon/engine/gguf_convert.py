@@ -65,8 +65,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileTy
 from gguf import GGML_QUANT_VERSION
 from gguf.quants import quantize
 
-from .backend import model_name
-from .errors import ModelError
+from dsr1d.engine.backend import model_name
+from dsr1d.engine.errors import ModelError
 
 Progress = Callable[[int, int, str], None]
 QT = GGMLQuantizationType
@@ -714,7 +714,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def convert_main(argv: list[str] | None = None) -> int:
     """``dsr1d model convert SRC_DIR OUT.gguf [--dtype bf16|fp32|int8|int4]``."""
-    from .gguf_file import inspect_gguf
+    from dsr1d.engine.gguf_file import inspect_gguf
 
     args = _parser().parse_args(argv)
     start = time.monotonic()

@@ -23,7 +23,7 @@ from typing import Any
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
-from .errors import ModelError
+from dsr1d.engine.errors import ModelError
 
 SUPPORTED_ARCHS = ("qwen2", "llama")
 GGUF_MAGIC = b"GGUF"

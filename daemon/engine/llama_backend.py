@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import ModelError
-from .gguf_file import GGUFInfo
-from .request import DEFAULTS, OnText, Result, check_budget, decode_stats
-from .textstream import IncrementalDecoder, ThinkSplitter, emit
+from dsr1d.engine.errors import ModelError
+from dsr1d.engine.gguf_file import GGUFInfo
+from dsr1d.engine.request import DEFAULTS, OnText, Result, check_budget, decode_stats
+from dsr1d.textstream import IncrementalDecoder, ThinkSplitter, emit
 
 DEFAULT_CONTEXT = 16384
 MEMORY_HEADROOM = 0.9
@@ -43,6 +43,16 @@ def system_info() -> str:
     import llama_cpp
 
     return llama_cpp.llama_print_system_info().decode(errors="replace").strip()
+
+
+def build_info() -> str:
+    """The binding's version and what its build uses here, or why it does not load."""
+    try:
+        import llama_cpp
+
+        return f"llama.cpp {llama_cpp.__version__}: {system_info()}"
+    except (ImportError, OSError) as exc:  # a wheel built for another CPU, a missing library
+        return f"llama-cpp-python is installed but does not load: {exc}"
 
 
 # ggml.h's enum ggml_log_level (llama-cpp-python's own table of it is out of date).
@@ -248,8 +258,8 @@ def _compile(template: str | None) -> Any:
 
 def check_memory(info: GGUFInfo, context: int) -> None:
     """Refuse before loading when the weights, KV cache and buffers would not fit."""
-    from . import memory
-    from .gguf_file import memory_needed
+    from dsr1d.engine import memory
+    from dsr1d.engine.gguf_file import memory_needed
 
     need = memory_needed(info, context)
     free, where = memory.available()
@@ -262,7 +272,7 @@ def check_memory(info: GGUFInfo, context: int) -> None:
 
 def load(path: Path, threads: int, context: int = 0, use_mmap: bool = False) -> LlamaGenerator:
     """Check ``path`` and the memory before llama.cpp sees it (ModelError), then load it."""
-    from .gguf_file import inspect_gguf
+    from dsr1d.engine.gguf_file import inspect_gguf
 
     info = inspect_gguf(path)
     check_memory(info, effective_context(info, context))

@@ -14,10 +14,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
-from . import memory  # noqa: E402
-from ..constants import ENGINE_DTYPES  # noqa: E402
-from .backend import model_name  # noqa: E402
-from .errors import ModelError  # noqa: E402,F401  (re-exported)
+from dsr1d.constants import ENGINE_DTYPES  # noqa: E402
+from dsr1d.engine import memory  # noqa: E402
+from dsr1d.engine.backend import model_name  # noqa: E402
+from dsr1d.engine.errors import ModelError  # noqa: E402,F401  (re-exported)
 
 SUPPORTED = {"Qwen2ForCausalLM": "R1-Distill-Qwen", "LlamaForCausalLM": "R1-Distill-Llama"}
 DTYPES = ENGINE_DTYPES
@@ -111,7 +111,7 @@ def load(path: Path, dtype: str = "auto", progress: Progress | None = None) -> L
     """Load ``path`` (offline) as ``dtype``; ``progress(done_bytes, total_bytes, shard)``."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .quant import quantize
+    from dsr1d.engine.quant import quantize
 
     config_json, shards, parameters = inspect_dir(path)
     chosen, reason = choose_dtype(dtype)

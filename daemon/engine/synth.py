@@ -35,7 +35,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .errors import ModelError
+from dsr1d.engine.errors import ModelError
 
 Progress = Callable[[int, int, str], None]
 
@@ -512,7 +512,7 @@ def synth_main(argv: list[str] | None = None) -> int:
 
 def write_gguf(model_dir: Path, dtype: str) -> Path:
     """``model_dir/model-<dtype>.gguf``: the synthetic model converted for llama.cpp."""
-    from .gguf_convert import convert
+    from dsr1d.engine.gguf_convert import convert
 
     return convert(model_dir, model_dir / f"model-{dtype}.gguf", dtype)
 

@@ -35,7 +35,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ..constants import ENGINE_BACKENDS
+from dsr1d.constants import ENGINE_BACKENDS
 
 # Before torch is imported: 2 MiB+ allocations (the weights) get madvise(MADV_HUGEPAGE). For
 # llama.cpp's buffers glibc does the same (GLIBC_TUNABLES=glibc.malloc.hugetlb=1, which must be in
@@ -87,7 +87,7 @@ class Worker:
         self.jobs.put(None)  # the daemon went away: finish
 
     def serve(self, generator: Any) -> None:
-        from .request import InvalidRequest
+        from dsr1d.engine.request import InvalidRequest
 
         while (job := self.jobs.get()) is not None:
             job_id = int(job["job"])
@@ -132,8 +132,8 @@ def _parser() -> argparse.ArgumentParser:
 def _load_torch(args: argparse.Namespace, channel: Channel, reason: str) -> tuple[Any, dict]:
     import torch
 
-    from .generate import Generator
-    from .model import load
+    from dsr1d.engine.generate import Generator
+    from dsr1d.engine.model import load
 
     torch.set_num_threads(max(1, args.threads))
     loaded = load(Path(args.model), args.dtype,
@@ -146,14 +146,14 @@ def _load_torch(args: argparse.Namespace, channel: Channel, reason: str) -> tupl
 
 
 def _load_llama(args: argparse.Namespace, channel: Channel, choice: Any) -> tuple[Any, dict]:
-    from . import llama_backend
-    from .backend import gguf_dtype
+    from dsr1d.engine import llama_backend
+    from dsr1d.engine.backend import gguf_dtype
 
     path = Path(args.model)
     dtype_reason = "the GGUF file's precision"
     if choice.convert:
-        from .gguf_cache import cached_gguf
-        from .gguf_convert import convert
+        from dsr1d.engine.gguf_cache import cached_gguf
+        from dsr1d.engine.gguf_convert import convert
 
         dtype = gguf_dtype(args.dtype)
         dtype_reason = "requested" if args.dtype != "auto" else \
@@ -182,12 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     worker = Worker(channel, args.threads)
     threading.Thread(target=worker.read_commands, daemon=True).start()
 
-    from . import llama_backend
-    from .backend import choose, resolve_model
-    from .errors import ModelError
+    from dsr1d.engine import llama_backend
+    from dsr1d.engine.backend import choose, resolve_model
+    from dsr1d.engine.errors import ModelError
 
     if args.mem_nodes:
-        from ..placement import bind_memory
+        from dsr1d.core.placement import bind_memory
 
         problem = bind_memory([int(n) for n in args.mem_nodes.split(",")])
         if problem:

@@ -12,8 +12,8 @@ from typing import Any
 
 import pluggy
 
-from . import hookspecs
-from .tunable import Tunable
+from dsr1d.contract import hookspecs
+from dsr1d.contract.tunable import Tunable
 
 DEFAULT_PLUGINS = (
     "dsr1d.plugins.epb",

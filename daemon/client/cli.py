@@ -20,9 +20,10 @@ from typing import Any
 from dbus_fast import BusType, Message, MessageFlag, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
-from . import __version__
-from .constants import BUS_NAME, ENGINE, ENGINE_PATH, MANAGER, PATH
-from .table import render
+from dsr1d import __version__
+from dsr1d.constants import (BUS_NAME, BUSY_MHZ, CPU_MHZ, ENGINE, ENGINE_PATH, ENGINE_TOKENS_PER_S,
+                             LOAD_1M, MANAGER, PATH, PKG_POWER_W, PKG_TEMP_C)
+from dsr1d.table import render
 
 EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_DENIED = 1, 2, 3, 4
 _USAGE_ERRORS = ("UnknownProfile", "InvalidProfile", "InvalidArgs", "NoSuchHold", "NotHolder",
@@ -96,15 +97,15 @@ def _mean(values: list[float]) -> str:
 def _telemetry_line(t: dict[str, Any]) -> str:
     """What was measured, never a placeholder for what was not."""
     parts = []
-    if "load_1m" in t:
+    if LOAD_1M in t:
         parts.append(f"load {t['load_1m']:.2f}")
     if t.get("cpu_util_percent"):
         parts.append(f"cpu {_mean(t['cpu_util_percent'])}%")
-    mhz = t.get("busy_mhz") or (t.get("cpu_mhz") and sum(t["cpu_mhz"]) / len(t["cpu_mhz"]))
+    mhz = t.get(BUSY_MHZ) or (t.get(CPU_MHZ) and sum(t[CPU_MHZ]) / len(t[CPU_MHZ]))
     if mhz:
         parts.append(f"{mhz:.0f} MHz")
-    for key, unit in (("pkg_temp_c", "°C"), ("pkg_power_w", "W"),
-                      ("engine_tokens_per_s", "tok/s")):
+    for key, unit in ((PKG_TEMP_C, "°C"), (PKG_POWER_W, "W"),
+                      (ENGINE_TOKENS_PER_S, "tok/s")):
         if key in t:
             parts.append(f"{t[key]:.1f} {unit}")
     return ", ".join(parts) or "nothing measured here"
@@ -228,7 +229,7 @@ async def cmd_watch(client: Client, args: argparse.Namespace) -> int:
                 f"throttle {props['ThrottleState']}  {_telemetry_line(t)}")
         if tty:
             per_cpu = t.get("cpu_util_percent", [])
-            mhz = t.get("cpu_mhz", [None] * len(per_cpu))
+            mhz = t.get(CPU_MHZ, [None] * len(per_cpu))
             rows = [(f"cpu{i}", f"{u:.0f}%", f"{m:.0f}" if m else "-")
                     for i, (u, m) in enumerate(zip(per_cpu, mhz))]
             sys.stdout.write("\033[H\033[2J" + line + "\n\n"
@@ -266,7 +267,7 @@ class _Printer:
     """Prints streamed pieces as they arrive: reasoning dimmed (or marked), then the answer."""
 
     def __init__(self, tty: bool, show_reasoning: bool) -> None:
-        from .engine.textstream import ThinkSplitter
+        from dsr1d.textstream import ThinkSplitter
 
         self.splitter = ThinkSplitter()
         self.tty = tty
@@ -346,7 +347,7 @@ async def cmd_generate(client: Client, args: argparse.Namespace) -> int:
 
 
 async def cmd_record(client: Client, args: argparse.Namespace) -> int:
-    from .plot import RecordWriter, flatten, progress_line
+    from dsr1d.client.plot import RecordWriter, flatten, progress_line
 
     if not (args.seconds > 0 and 0 < args.interval < float("inf")):  # NaN fails too
         print("dsr1ctl: record: --seconds and --interval must be positive", file=sys.stderr)
@@ -388,7 +389,7 @@ async def cmd_record(client: Client, args: argparse.Namespace) -> int:
 
 
 async def cmd_plot(client: Client | None, args: argparse.Namespace) -> int:
-    from .plot import PlotError, plot_file
+    from dsr1d.client.plot import PlotError, plot_file
 
     try:
         tl = plot_file(args.file, args.out, args.title)

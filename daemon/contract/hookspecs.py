@@ -21,7 +21,7 @@ def register_tunables(register: Callable[[object], None]) -> None:
 
     Called once when the plugin manager is built.
 
-    :param register: call it with each tunable object (see :class:`dsr1d.tunable.Tunable`);
+    :param register: call it with each tunable object (see :class:`dsr1d.contract.tunable.Tunable`);
         registering a second tunable with a name already taken is an error.
     """
 
@@ -48,7 +48,7 @@ def register_telemetry_sources(register: Callable[[object], None]) -> None:
     ``Support`` (available here or not, and why), ``start(root)`` / ``stop()`` for sources that
     own a subprocess or file handles, and ``read(root, now)`` -> ``{key_with_unit: value}``
     with what it measured since the last read; a value it cannot measure is left out, never
-    invented (see :mod:`dsr1d.telemetry_sources`).
+    invented (see :mod:`dsr1d.contract.telemetry`).
 
     :param register: call it with each source object; a second source with a name already
         taken is an error.

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .constants import ENGINE_BACKENDS, ENGINE_DTYPES
-from .schema import Schema, boolean, choice, integer, option, word_list
+from dsr1d.constants import ENGINE_BACKENDS, ENGINE_DTYPES
+from dsr1d.contract.schema import Schema, boolean, choice, integer, option, word_list
 
 SUFFIX = ".conf"
 MAX_FILE_BYTES = 1 << 20
@@ -91,7 +91,7 @@ class Profile:
 
 def builtin_dir() -> Path:
     """Where the built-in profiles are: the checkout's etc/, else the installed share/."""
-    checkout = Path(__file__).resolve().parent.parent / "etc" / "dsr1d" / "profiles"
+    checkout = Path(__file__).resolve().parents[2] / "etc" / "dsr1d" / "profiles"
     if checkout.is_dir():
         return checkout
     return Path(sys.prefix) / "share" / "dsr1d" / "profiles"
@@ -201,21 +201,25 @@ class ProfileStore:
         return merged
 
     def _validate(self, merged: Sections) -> dict[str, dict[str, Any]]:
-        out: dict[str, dict[str, Any]] = {}
-        for section, entries in merged.items():
-            schema = self.schemas[section]
-            values: dict[str, Any] = {}
-            for key, entry in entries.items():
-                if key not in schema:
-                    known = ", ".join(sorted(schema)) or "none"
-                    raise ProfileError(entry.file, entry.line,
-                                       f"[{section}] unknown key {key!r} (known: {known})")
-                try:
-                    values[key] = schema[key].parse(entry.value)
-                except ValueError as exc:
-                    raise ProfileError(entry.file, entry.line, f"[{section}] {key}: {exc}") from None
-            out[section] = values
-        return out
+        return {section: validate_section(section, entries, self.schemas[section])
+                for section, entries in merged.items()}
+
+
+def validate_section(section: str, entries: dict[str, Entry], schema: Schema) -> dict[str, Any]:
+    """Typed values of one section, or a ProfileError at the ``file:line`` of the bad entry.
+
+    The one validator of the INI dialect: profiles and ``dsr1d.conf`` both go through it."""
+    values: dict[str, Any] = {}
+    for key, entry in entries.items():
+        if key not in schema:
+            known = ", ".join(sorted(schema)) or "none"
+            raise ProfileError(entry.file, entry.line,
+                               f"[{section}] unknown key {key!r} (known: {known})")
+        try:
+            values[key] = schema[key].parse(entry.value)
+        except ValueError as exc:
+            raise ProfileError(entry.file, entry.line, f"[{section}] {key}: {exc}") from None
+    return values
 
 
 def _include_names(include: Entry | None) -> list[str]:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .knobs import knob_from_key
+from dsr1d.contract.knobs import knob_from_key
 
 FORMAT = 1
 

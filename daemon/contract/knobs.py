@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Protocol
 
-from .sysroot import PM_QOS_DEVICE, SysRoot
+from dsr1d.contract.sysroot import PM_QOS_DEVICE, SysRoot
 
 NO_REQUEST = "none"
 

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pluggy
 
-from .plugin_manager import collect_tunables, make_manager
-from .profiles import ProfileStore, builtin_dir
-from .state import Journal
-from .sysroot import SysRoot
-from .tunable import Tunable
-from .tuning import Tuner
+from dsr1d.contract.sysroot import SysRoot
+from dsr1d.contract.tunable import Tunable
+from dsr1d.core.plugin_manager import collect_tunables, make_manager
+from dsr1d.core.profiles import ProfileStore, builtin_dir
+from dsr1d.core.state import Journal
+from dsr1d.core.tuning import Tuner
 
 USER_PROFILES = "etc/dsr1d/profiles"
 JOURNAL = "run/dsr1d/state.json"

@@ -19,7 +19,7 @@ import platform
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from .sysroot import CPU_DIR, SysRoot, parse_cpu_list
+from dsr1d.contract.sysroot import CPU_DIR, SysRoot, parse_cpu_list
 
 NODE_DIR = "sys/devices/system/node"
 

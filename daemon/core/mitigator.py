@@ -1,6 +1,6 @@
 """The daemon's side of throttle mitigation: telemetry samples in, overlays and threads out.
 
-`dsr1d.mitigation.Controller` decides (pure); this module turns each sample dict into a
+`dsr1d.core.mitigation.Controller` decides (pure); this module turns each sample dict into a
 `Sample`, and each `Action` into a Manager overlay (journaled like any profile write, so stop
 and crash recovery undo it) or an engine thread change, and reports the state and the active
 rungs. A rung whose write the machine refuses is logged once and dropped, never retried blindly.
@@ -11,9 +11,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from .manager import Manager
-from .mitigation import Action, Controller, MitigationConfig, Sample
-from .tuning import ApplyFailed, TuningError
+from dsr1d.constants import (BUSY_MHZ, CPU_MHZ, ENGINE_TOKENS_PER_S, PKG_POWER_W, PKG_TEMP_C,
+                             THROTTLE_COUNT)
+from dsr1d.core.manager import Manager
+from dsr1d.core.mitigation import Action, Controller, MitigationConfig, Sample
+from dsr1d.core.tuning import ApplyFailed, TuningError
 
 log = logging.getLogger("dsr1d")
 
@@ -23,14 +25,14 @@ ChangeListener = Callable[[list[str]], None]
 
 def to_sample(values: dict[str, Any], start: float) -> Sample:
     """The controller's view of one telemetry sample (missing values stay None)."""
-    mhz = values.get("busy_mhz")
-    if mhz is None and values.get("cpu_mhz"):
-        mhz = sum(values["cpu_mhz"]) / len(values["cpu_mhz"])
+    mhz = values.get(BUSY_MHZ)
+    if mhz is None and values.get(CPU_MHZ):
+        mhz = sum(values[CPU_MHZ]) / len(values[CPU_MHZ])
     return Sample(time_s=float(values.get("time_unix_s", start)) - start,
-                  pkg_temp_c=values.get("pkg_temp_c"), busy_mhz=mhz,
-                  pkg_power_w=values.get("pkg_power_w"),
-                  throttle_count=values.get("throttle_count"),
-                  tokens_per_s=values.get("engine_tokens_per_s"))
+                  pkg_temp_c=values.get(PKG_TEMP_C), busy_mhz=mhz,
+                  pkg_power_w=values.get(PKG_POWER_W),
+                  throttle_count=values.get(THROTTLE_COUNT),
+                  tokens_per_s=values.get(ENGINE_TOKENS_PER_S))
 
 
 def overlay_for(action: Action) -> dict[str, dict] | None:

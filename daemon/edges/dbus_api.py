@@ -16,7 +16,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from dbus_fast import BusType, Message, MessageFlag, MessageType, Variant
+from dbus_fast import (BusType, Message, MessageFlag, MessageType, NameFlag, RequestNameReply,
+                       Variant)
 from dbus_fast import introspection as intr
 from dbus_fast.aio import MessageBus
 from dbus_fast.aio.message_bus import _MessageWriter
@@ -24,14 +25,14 @@ from dbus_fast.constants import PropertyAccess
 from dbus_fast.service import ServiceInterface, dbus_property, signal
 from dbus_fast.signature import get_signature_tree
 
-from . import __version__
-from .constants import ENGINE, ENGINE_PATH, ERROR, MANAGER, PATH
-from .engine_host import Cancelled, EngineHost, EngineUnavailable, InvalidArgument
-from .manager import HoldError, Manager
-from .profiles import ProfileError, UnknownProfile
-from .state import JournalError
-from .sysroot import KnobError
-from .tuning import ApplyFailed, TuningError
+from dsr1d import __version__
+from dsr1d.constants import ENGINE, ENGINE_PATH, ERROR, MANAGER, PATH
+from dsr1d.contract.sysroot import KnobError
+from dsr1d.core.manager import HoldError, Manager
+from dsr1d.core.profiles import ProfileError, UnknownProfile
+from dsr1d.core.state import JournalError
+from dsr1d.core.tuning import ApplyFailed, TuningError
+from dsr1d.edges.engine_host import Cancelled, EngineHost, EngineUnavailable, InvalidArgument
 
 log = logging.getLogger("dsr1d")
 
@@ -593,6 +594,11 @@ def _resolve(future: asyncio.Future | None, outcome: Any) -> None:
         future.set_exception(outcome)
     else:
         future.set_result(outcome)
+
+
+async def take_name(bus: MessageBus, name: str) -> bool:
+    """Own ``name`` on ``bus`` now, or say it is taken (never queue behind its owner)."""
+    return await bus.request_name(name, NameFlag.DO_NOT_QUEUE) == RequestNameReply.PRIMARY_OWNER
 
 
 async def connect(address: str | None) -> MessageBus:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Union
 
-from .knobs import Knob
-from .schema import Schema
-from .sysroot import SysRoot
+from dsr1d.contract.knobs import Knob
+from dsr1d.contract.schema import Schema
+from dsr1d.contract.sysroot import SysRoot
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .profiles import ProfileError, parse_ini, section_line
-from .constants import ENGINE_BACKENDS, ENGINE_DTYPES
-from .schema import Schema, boolean, choice, integer, option, word_list
-from .sysroot import parse_cpu_list
+from dsr1d.constants import ENGINE_BACKENDS, ENGINE_DTYPES
+from dsr1d.contract.schema import Schema, boolean, choice, integer, option, word_list
+from dsr1d.contract.sysroot import parse_cpu_list
+from dsr1d.core.profiles import ProfileError, parse_ini, section_line, validate_section
 
 DEFAULT_PATH = Path("/etc/dsr1d/dsr1d.conf")
 
@@ -113,12 +113,6 @@ def load_config(path: Path | None) -> Config:
         if name != "daemon":
             raise ProfileError(path, section_line(path, name),
                                f"unknown section [{name}] (known: daemon)")
-        for key, entry in entries.items():
-            if key not in DAEMON_SCHEMA:
-                known = ", ".join(sorted(DAEMON_SCHEMA))
-                raise ProfileError(entry.file, entry.line, f"unknown key {key!r} (known: {known})")
-            try:
-                setattr(config, key, DAEMON_SCHEMA[key].parse(entry.value))
-            except ValueError as exc:
-                raise ProfileError(entry.file, entry.line, f"{key}: {exc}") from None
+        for key, value in validate_section(name, entries, DAEMON_SCHEMA).items():
+            setattr(config, key, value)
     return config

@@ -17,21 +17,21 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from dbus_fast import NameFlag, RequestNameReply
 
-from .config import DEFAULT_PATH, Config, load_config
-from .context import build_core
-from .constants import BUS_NAME
-from .dbus_api import Dispatcher, EngineService, ManagerService, connect, neighbours
-from .engine_host import EngineHost
-from .manager import Manager
-from .mitigator import Mitigator
-from .notify import notify, setup_logging, watchdog_interval_s
-from .plugin_manager import PluginError
-from .profiles import ProfileError, UnknownProfile
-from .state import JournalBusy, JournalError, OwnerLock
-from .telemetry_sources import Sampler, collect_sources
-from .tuning import ApplyFailed, TuningError
+from dsr1d.constants import BUS_NAME, ENGINE_TOKENS_PER_S
+from dsr1d.core.config import DEFAULT_PATH, Config, load_config
+from dsr1d.core.context import build_core
+from dsr1d.edges.dbus_api import (Dispatcher, EngineService, ManagerService, connect, neighbours,
+                                   take_name)
+from dsr1d.core.manager import Manager
+from dsr1d.core.mitigator import Mitigator
+from dsr1d.core.plugin_manager import PluginError
+from dsr1d.core.profiles import ProfileError, UnknownProfile
+from dsr1d.core.sampler import Sampler, collect_sources
+from dsr1d.core.state import JournalBusy, JournalError, OwnerLock
+from dsr1d.core.tuning import ApplyFailed, TuningError
+from dsr1d.edges.engine_host import EngineHost
+from dsr1d.edges.notify import notify, setup_logging, watchdog_interval_s
 
 ENGINE_HOLDER = "dsr1d-engine"  # owner of the engine's hold (not a bus name: never "leaves")
 EXIT_CONFIG = 78  # EX_CONFIG: the unit does not restart on it (RestartPreventExitStatus)
@@ -86,7 +86,7 @@ class Daemon:
         manager_service = ManagerService(dispatcher, manager, self.reload, self.telemetry)
         await manager_service.export()
         EngineService(dispatcher, self.engine).export()
-        if await bus.request_name(BUS_NAME, NameFlag.DO_NOT_QUEUE) != RequestNameReply.PRIMARY_OWNER:
+        if not await take_name(bus, BUS_NAME):
             bus.disconnect()
             return self._fail(f"{BUS_NAME} is already owned on this bus: is dsr1d running?", 1)
         try:
@@ -204,7 +204,7 @@ class Daemon:
         assert self.sampler is not None
         sample = self.sampler.sample()
         if self.engine is not None:
-            sample["engine_tokens_per_s"] = self.engine.tokens_per_s
+            sample[ENGINE_TOKENS_PER_S] = self.engine.tokens_per_s
             sample["engine_state"] = self.engine.state
         self.latest = sample
         return sample
@@ -289,7 +289,7 @@ class Daemon:
 
     def _start_hotplug(self, manager: Manager):
         try:
-            from .hotplug import CpuMonitor
+            from dsr1d.edges.hotplug import CpuMonitor
 
             monitor = CpuMonitor(manager.reapply_cpus)
             monitor.start(asyncio.get_running_loop())

@@ -12,11 +12,11 @@ from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .knobs import holds, knob_from_key
-from .profiles import Profile
-from .state import Journal, JournalError, JournalState, Original
-from .sysroot import KnobError, SysRoot
-from .tunable import Setting, Skip, Support, Tunable, TunableInfo
+from dsr1d.contract.knobs import holds, knob_from_key
+from dsr1d.contract.sysroot import KnobError, SysRoot
+from dsr1d.contract.tunable import Setting, Skip, Support, Tunable, TunableInfo
+from dsr1d.core.profiles import Profile
+from dsr1d.core.state import Journal, JournalError, JournalState, Original
 
 BeforeWrite = Callable[[str, str, str], None]
 

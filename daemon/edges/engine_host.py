@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 import psutil
 
-from .placement import Placement, describe, plan, read_topology
-from .sysroot import SysRoot
+from dsr1d.contract.sysroot import SysRoot
+from dsr1d.core.placement import Placement, describe, plan, read_topology
 
 log = logging.getLogger("dsr1d")
 
@@ -174,7 +174,7 @@ class EngineHost:
             try:
                 await asyncio.wait_for(self._proc.wait(), 5)
             except asyncio.TimeoutError:
-                self._proc.kill()
+                _kill(self._proc)
                 await self._proc.wait()
         self._set_state("stopped")
 
@@ -285,7 +285,7 @@ class EngineHost:
             log.error("engine worker %d: %s on its channel; killing it", proc.pid,
                       f"{type(exc).__name__}: {exc}"[:300])
         if proc.returncode is None:
-            proc.kill()
+            _kill(proc)
         code = await proc.wait()
         if not self._stopping:
             await self._died(proc, code)
@@ -423,7 +423,7 @@ class EngineHost:
                 continue
             if loop.time() - self._last_pong > self.ping_timeout_s:
                 log.error("engine worker %d stopped answering pings; killing it", self._proc.pid)
-                self._proc.kill()
+                _kill(self._proc)
                 continue
             try:
                 await self._send(op="ping")
@@ -463,3 +463,16 @@ class EngineHost:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _kill(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL the worker without reaping it.
+
+    ``Process.kill()`` polls first (subprocess's guard against signalling a reaped pid), and
+    that poll can reap a worker that has just died, before asyncio's child watcher sees it: the
+    watcher then reports exit status 255 and the real cause (signal 9: the OOM killer) is lost.
+    Until the watcher reaps it the pid cannot be reused, so a plain kill is safe."""
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -12,11 +12,11 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from .config import Config
-from .context import Core
-from .profiles import Profile, ProfileError, UnknownProfile
-from .tunable import TunableInfo
-from .tuning import ApplyFailed, Plan, TuningError, Verification
+from dsr1d.contract.tunable import TunableInfo
+from dsr1d.core.config import Config
+from dsr1d.core.context import Core
+from dsr1d.core.profiles import Profile, ProfileError, UnknownProfile
+from dsr1d.core.tuning import ApplyFailed, Plan, TuningError, Verification
 
 log = logging.getLogger("dsr1d")
 

@@ -15,16 +15,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from . import __version__
-from .config import DEFAULT_PATH as DEFAULT_CONFIG
-from .config import load_config
-from .context import Core, build_core
-from .plugin_manager import PluginError
-from .profiles import ProfileError, UnknownProfile
-from .state import JournalBusy, JournalError, OwnerLock
-from .sysroot import KnobError, SysRoot
-from .table import render
-from .tuning import ApplyFailed, Plan, TuningError
+from dsr1d import __version__
+from dsr1d.contract.sysroot import KnobError, SysRoot
+from dsr1d.core.config import DEFAULT_PATH as DEFAULT_CONFIG
+from dsr1d.core.config import load_config
+from dsr1d.core.context import Core, build_core
+from dsr1d.core.plugin_manager import PluginError
+from dsr1d.core.profiles import ProfileError, UnknownProfile
+from dsr1d.core.state import JournalBusy, JournalError, OwnerLock
+from dsr1d.core.tuning import ApplyFailed, Plan, TuningError
+from dsr1d.table import render
 
 EXIT_FAILED, EXIT_USAGE, EXIT_JOURNAL, EXIT_BUSY = 1, 2, 3, 4
 
@@ -54,19 +54,13 @@ def cmd_probe(core: Core, args: argparse.Namespace) -> int:
 def engine_line(root: SysRoot) -> str:
     """The engine backends installed here, what the llama.cpp build uses on this CPU, and where
     a plan would put the decode threads."""
-    from .engine import llama_backend
-    from .placement import describe, plan, read_topology
+    from dsr1d.engine import llama_backend
+    from dsr1d.core.placement import describe, plan, read_topology
 
     placement = describe(plan(read_topology(root), None, 0))
     if not llama_backend.installed():
         return f"engine: torch only (llama-cpp-python is not installed)\nplacement: {placement}"
-    try:
-        import llama_cpp
-
-        build = f"llama.cpp {llama_cpp.__version__}: {llama_backend.system_info()}"
-    except (ImportError, OSError) as exc:  # a wheel built for another CPU, a missing library
-        build = f"llama-cpp-python is installed but does not load: {exc}"
-    return f"engine: {build}\nplacement: {placement}"
+    return f"engine: {llama_backend.build_info()}\nplacement: {placement}"
 
 
 def cmd_list(core: Core, args: argparse.Namespace) -> int:
@@ -255,25 +249,25 @@ def core_paths(args: argparse.Namespace) -> tuple[str, str | None, str | None]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["simulate"]:  # its own options; argparse's REMAINDER drops leading ones
-        from .sim import simulate_main
+        from dsr1d.sim.sim import simulate_main
 
         return simulate_main(argv[1:])
     args = parser().parse_args(argv)
     if args.command == "model":
         tool = args.model_args[:1]
         if tool == ["synth"]:
-            from .engine.synth import synth_main
+            from dsr1d.engine.synth import synth_main
 
             return synth_main(args.model_args[1:])
         if tool == ["convert"]:
-            from .engine.gguf_convert import convert_main
+            from dsr1d.engine.gguf_convert import convert_main
 
             return convert_main(args.model_args[1:])
         print("dsr1d: usage: dsr1d model synth --preset tiny|1.5b|7b DIR | "
               "dsr1d model convert SRC_DIR OUT.gguf --dtype bf16|int8|int4", file=sys.stderr)
         return EXIT_USAGE
     if args.command == "run":
-        from .service import main as run_daemon
+        from dsr1d.edges.service import main as run_daemon
 
         return run_daemon(getattr(args, "config", None), args.bus_address,
                           getattr(args, "root", None),

@@ -99,7 +99,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .mitigation import Action, Controller, MitigationConfig, Sample
+from dsr1d.core.mitigation import Action, Controller, MitigationConfig, Sample
 
 
 @dataclass(frozen=True)
