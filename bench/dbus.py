@@ -7,7 +7,13 @@ hundred calls of each kind from a dbus-fast client. The baseline, measured in th
 user ``nobody`` — how many were answered, latency percentiles, wall time. Prints a table and
 JSON; never passes or fails.
 
+Then the switch path's growth with the machine: Ping and SwitchProfile (throughput <->
+balanced, every per-CPU knob changing) on fake machines of each ``--scale`` CPU count, one daemon
+each. Fake roots go on /dev/shm where there is one: like sysfs, in memory, so the figures are
+the daemon's cost and not a disk's.
+
     .venv/bin/python bench/dbus.py [--calls 300] [--idle-seconds 60] [--flood-conns 50 --flood-calls 20]
+                                   [--scale 4,32,128,512 --scale-calls 40]
 """
 
 from __future__ import annotations
@@ -55,6 +61,21 @@ async def time_calls(bus: MessageBus, make, calls: int) -> list[float]:
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+PING = lambda i: Message(destination=DEST, path=PATH,  # noqa: E731
+                        interface="org.freedesktop.DBus.Peer", member="Ping")
+SWITCH = lambda i: Message(destination=DEST, path=PATH, interface=IFACE,  # noqa: E731
+                          member="SwitchProfile", signature="s",
+                          body=["throughput" if i % 2 else "balanced"])
+
+
+async def measure_switch(address: str, calls: int) -> dict[str, list[float]]:
+    bus = await MessageBus(bus_address=address).connect()
+    results = {"Ping": await time_calls(bus, PING, calls),
+               "SwitchProfile": await time_calls(bus, SWITCH, calls)}
+    bus.disconnect()
+    return results
 
 
 async def measure(address: str, calls: int) -> dict[str, list[float]]:
@@ -134,6 +155,51 @@ def wait_for_name(address: str, timeout: float = 30) -> None:
     raise RuntimeError("daemon did not take its bus name")
 
 
+def fake_dir() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+class Daemon:
+    """The real daemon on ``address`` against a fake machine of ``cpus`` CPUs."""
+
+    def __init__(self, address: str, cpus: int) -> None:
+        self.address, self.cpus = address, cpus
+
+    def __enter__(self) -> "Daemon":
+        self.tmp = tempfile.TemporaryDirectory(dir=fake_dir())
+        fake = intel_box(Path(self.tmp.name) / "root", cpus=self.cpus)
+        config = Path(self.tmp.name) / "dsr1d.conf"
+        config.write_text("[daemon]\n")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dsr1d.edges.admin", "run", "--root", str(fake.path),
+             "--config", str(config), "--bus-address", self.address],
+            stderr=subprocess.DEVNULL)
+        wait_for_name(self.address, timeout=120)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+        self.tmp.cleanup()
+
+
+def scale(address: str, counts: list[int], calls: int) -> dict[str, dict[str, float]]:
+    """SwitchProfile next to Ping on machines of each size."""
+    print(f"\nswitch path by machine size ({calls} calls each; Ping in the same daemon):")
+    print(f"{'CPUs':>6} {'Ping p50':>9} {'Switch p50':>11} {'Switch p99':>11} {'per CPU':>9}")
+    out = {}
+    for cpus in counts:
+        with Daemon(address, cpus):
+            res = asyncio.run(measure_switch(address, calls))
+        ping, sw = statistics.median(res["Ping"]), statistics.median(res["SwitchProfile"])
+        out[str(cpus)] = {"ping_p50_ms": ping, "switch_p50_ms": sw,
+                          "switch_p99_ms": percentile(res["SwitchProfile"], 99),
+                          "switch_ms_per_cpu": sw / cpus}
+        print(f"{cpus:6d} {ping:9.2f} {sw:11.2f} {out[str(cpus)]['switch_p99_ms']:11.2f} "
+              f"{sw / cpus:9.3f}")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=300)
@@ -141,24 +207,18 @@ def main() -> None:
     parser.add_argument("--cpus", type=int, default=16, help="CPUs of the fake machine")
     parser.add_argument("--flood-conns", type=int, default=50)
     parser.add_argument("--flood-calls", type=int, default=20, help="reads per connection")
+    parser.add_argument("--scale", default="4,32,128,512", help="CPU counts for the switch path")
+    parser.add_argument("--scale-calls", type=int, default=40)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp, \
-            PrivateBus([REPO / "etc/dbus-1/system.d/org.dsr1d.conf"]) as privbus:
-        fake = intel_box(Path(tmp) / "root", cpus=args.cpus)
-        daemon = subprocess.Popen(
-            [sys.executable, "-m", "dsr1d.edges.admin", "run", "--root", str(fake.path),
-             "--config", "/dev/null", "--bus-address", privbus.address],
-            stderr=subprocess.DEVNULL)
-        try:
-            wait_for_name(privbus.address)
+    with PrivateBus([REPO / "etc/dbus-1/system.d/org.dsr1d.conf"]) as privbus:
+        with Daemon(privbus.address, args.cpus) as daemon:
             results = asyncio.run(measure(privbus.address, args.calls))
             flooded = flood(privbus.address, args.flood_conns, args.flood_calls)
-            before, t0 = cpu_seconds(daemon.pid), time.monotonic()
+            before, t0 = cpu_seconds(daemon.proc.pid), time.monotonic()
             time.sleep(args.idle_seconds)
-            idle_share = (cpu_seconds(daemon.pid) - before) / (time.monotonic() - t0) * 100
-        finally:
-            daemon.terminate()
-            daemon.wait(timeout=30)
+            idle_share = (cpu_seconds(daemon.proc.pid) - before) / (time.monotonic() - t0) * 100
+        counts = [int(c) for c in args.scale.split(",") if c]
+        scaled = scale(privbus.address, counts, args.scale_calls) if counts else {}
     base = statistics.median(results["Ping (baseline)"])
     figures = {}
     print(f"{'call':20} {'p50 ms':>8} {'p99 ms':>8} {'p50/Ping':>9}   ({args.calls} calls, "
@@ -174,6 +234,7 @@ def main() -> None:
     figures["idle_cpu_percent_of_one_core"] = idle_share
     figures["idle_seconds"] = args.idle_seconds
     print(f"daemon CPU share while idle: {idle_share:.3f} % of one core over {args.idle_seconds:.0f} s")
+    figures["switch_by_cpus"] = scaled
     print(json.dumps(figures))
 
 

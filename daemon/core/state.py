@@ -9,9 +9,10 @@ replayed onto the real machine. A journal that cannot be read is never overwritt
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -72,13 +73,18 @@ class OwnerLock:
             self._fd = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Original:
     """A knob's value before dsr1d first wrote it."""
 
     key: str
     tunable: str
     value: str
+
+    @functools.cached_property
+    def line(self) -> str:
+        """Its line in the journal file (made once: a switch rewrites hundreds of them)."""
+        return json.dumps({"key": self.key, "tunable": self.tunable, "value": self.value})
 
 
 @dataclass
@@ -94,6 +100,19 @@ class JournalState:
     def original(self, key: str) -> Original | None:
         return next((o for o in self.originals if o.key == key), None)
 
+    def copy(self) -> JournalState:
+        """An independent copy (originals are immutable, so the list is copied, not them)."""
+        return JournalState(self.root, list(self.originals), self.profile, dict(self.wanted),
+                            self.pid)
+
+    def to_json(self) -> str:
+        """The file's text: one original per line, so that a person can read it in a crisis."""
+        head = json.dumps({"format": FORMAT, "root": self.root, "profile": self.profile,
+                           "pid": self.pid, "wanted": self.wanted})
+        originals = ",\n  ".join(o.line for o in self.originals)
+        listed = f"[\n  {originals}\n ]" if self.originals else "[]"
+        return f'{head[:-1]},\n "originals": {listed}}}\n'
+
 
 class Journal:
     """Reads and atomically replaces one journal file."""
@@ -103,6 +122,9 @@ class Journal:
         self.path = path
         self.root = str(root)
         self._before_write = before_write
+        # The state last read or written, and the file's identity then: a switch reads the
+        # journal it just wrote without parsing and validating it again.
+        self._cached: tuple[tuple[int, int, int], JournalState] | None = None
 
     def _recover_hint(self) -> str:
         return (f"inspect {self.path}, put the knobs it lists back by hand if needed, then remove "
@@ -111,11 +133,26 @@ class Journal:
     def load(self) -> JournalState | None:
         """The journal's state, None when there is none; JournalError when unusable."""
         try:
-            raw = self.path.read_bytes()
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
+            self._cached = None
             return None
         except OSError as exc:
             raise JournalError(f"cannot read journal {self.path}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if self._cached and self._cached[0] == _identity(st):
+                return self._cached[1].copy()
+            raw = _read_all(fd)
+        except OSError as exc:
+            raise JournalError(f"cannot read journal {self.path}: {exc.strerror}") from None
+        finally:
+            os.close(fd)
+        state = self._parse(raw)
+        self._cached = (_identity(st), state.copy())
+        return state
+
+    def _parse(self, raw: bytes) -> JournalState:
         try:
             data = json.loads(raw.decode())
             if data.get("format") != FORMAT:
@@ -145,15 +182,20 @@ class Journal:
         if self._before_write:
             self._before_write(str(self.path))
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"format": FORMAT, **asdict(state)}
+        self._cached = None
+        text = state.to_json().encode()
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.write(fd, (json.dumps(data, indent=1) + "\n").encode())
+            written = 0
+            while written < len(text):
+                written += os.write(fd, text[written:])
             os.fsync(fd)
+            identity = _identity(os.fstat(fd))
         finally:
             os.close(fd)
         os.replace(tmp, self.path)
+        self._cached = (identity, state.copy())
         _fsync_dir(self.path.parent)
         self._remove_stale_temporaries()
 
@@ -168,11 +210,24 @@ class Journal:
         """Delete the journal (after everything it lists has been restored)."""
         if self.path.parent.is_dir():
             self._remove_stale_temporaries()
+        self._cached = None
         try:
             self.path.unlink()
         except FileNotFoundError:
             return
         _fsync_dir(self.path.parent)
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    # A replace gives the path a new inode, so another writer's journal never matches.
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _fsync_dir(directory: Path) -> None:

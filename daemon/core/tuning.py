@@ -8,11 +8,10 @@ goes in reverse order of first writes and removes the journal only when everythi
 from __future__ import annotations
 
 import os
-from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Callable
 
-from dsr1d.contract.knobs import holds, knob_from_key
+from dsr1d.contract.knobs import Knob, holds, knob_from_key
 from dsr1d.contract.sysroot import KnobError, SysRoot
 from dsr1d.contract.tunable import Setting, Skip, Support, Tunable, TunableInfo
 from dsr1d.core.profiles import Profile
@@ -30,6 +29,11 @@ class Change:
     where: str
     current: str
     wanted: str
+    knob: Knob | None = field(default=None, compare=False, repr=False)
+
+    def the_knob(self) -> Knob:
+        """The knob itself (carried, so a switch never turns its key back into a knob)."""
+        return self.knob if self.knob is not None else knob_from_key(self.key)
 
 
 @dataclass
@@ -168,16 +172,24 @@ class Tuner:
         """
         state = self.journal.load() or self.journal.new()
         plan = self._plan(profile, state, cpus)
-        pending = deepcopy(state)
+        pending = state.copy()
+        known = {o.key for o in pending.originals}
         for change in plan.changes:
-            if pending.original(change.key) is None:
+            if change.key not in known:  # journaled once, before its first write
+                known.add(change.key)
                 pending.originals.append(Original(change.key, change.tunable, change.current))
+        # Journaled before the first knob write: the originals of the knobs about to change,
+        # and the profile it is going to (a switch that fails writes the old state back). The
+        # originals of knobs going back stay until they are back: a second write, only then.
+        pending.profile = profile.name
+        pending.wanted = plan.wanted
         done: list[Change] = []
         try:  # every hook and every write inside: whatever fails, this switch is undone
-            if plan.changes:
+            if (pending.profile, pending.wanted, len(pending.originals)) != \
+                    (state.profile, state.wanted, len(state.originals)):
                 self.journal.save(pending)
             for change in plan.writes:
-                self._write(change.tunable, change.key, change.wanted)
+                self._write(change.tunable, change.the_knob(), change.wanted)
                 done.append(change)
         except Exception as exc:
             undo_errors = self._undo(done)
@@ -186,10 +198,10 @@ class Tuner:
             if isinstance(exc, JournalError):
                 raise
             raise ApplyFailed(exc, state.profile, undo_errors, self.undo_advice) from None
-        pending.originals = [o for o in pending.originals if o.key not in plan.dropped]
-        pending.profile = profile.name
-        pending.wanted = plan.wanted
-        self.journal.save(pending)
+        if plan.dropped:
+            dropped = set(plan.dropped)
+            pending.originals = [o for o in pending.originals if o.key not in dropped]
+            self.journal.save(pending)
         return plan
 
     def restore(self) -> tuple[list[Change], list[KnobError]]:
@@ -213,7 +225,7 @@ class Tuner:
                     continue  # a CPU unplugged while we were down: nothing left to restore
                 current = knob.read(self.root)
                 if current != original.value:
-                    self._write(original.tunable, original.key, original.value)
+                    self._write(original.tunable, knob, original.value)
                     restored.append(Change(original.tunable, original.key, knob.where(self.root),
                                            current, original.value))
             except KnobError as exc:
@@ -255,9 +267,10 @@ class Tuner:
         plan = Plan(profile.name)
         settings = self._settings(profile, plan, cpus)
         for setting in settings:
-            current = self._read(setting.tunable, setting.knob.key)
-            change = Change(setting.tunable, setting.knob.key, setting.knob.where(self.root),
-                            current, setting.value)
+            knob = setting.knob
+            current = self._read(setting.tunable, knob)
+            change = Change(setting.tunable, knob.key, knob.where(self.root), current,
+                            setting.value, knob)
             (plan.changes if current != setting.value else plan.unchanged).append(change)
             plan.wanted[setting.knob.key] = setting.value
         if cpus is not None:
@@ -277,19 +290,17 @@ class Tuner:
             plan.dropped.append(original.key)
             if current != original.value:
                 plan.releases.append(Change(original.tunable, original.key, knob.where(self.root),
-                                            current, original.value))
+                                            current, original.value, knob))
         return plan
 
-    def _read(self, tunable: str, key: str) -> str:
-        knob = knob_from_key(key)
+    def _read(self, tunable: str, knob: Knob) -> str:
         try:
             return knob.read(self.root)
         except OSError as exc:
             raise TuningError(str(KnobError(tunable, knob.where(self.root), exc, "read"))) from None
 
-    def _write(self, tunable: str, key: str, value: str) -> None:
-        knob = knob_from_key(key)
-        self._before_write("knob", key, value)
+    def _write(self, tunable: str, knob: Knob, value: str) -> None:
+        self._before_write("knob", knob.key, value)
         try:
             knob.write(self.root, value)
         except OSError as exc:
@@ -299,7 +310,7 @@ class Tuner:
         errors: list[Exception] = []
         for change in reversed(done):
             try:
-                self._write(change.tunable, change.key, change.current)
+                self._write(change.tunable, change.the_knob(), change.current)
             except Exception as exc:  # a knob refusing, or a plugin's hook raising
                 errors.append(exc)
         return errors
