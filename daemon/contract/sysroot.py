@@ -92,9 +92,8 @@ class SysRoot:
 
     def glob(self, pattern: str) -> list[str]:
         """Paths (relative to the root) matching ``pattern``, in natural sort order."""
-        base = str(self.root).rstrip("/") + "/"
-        found = glob_mod.glob(base + pattern.lstrip("/"))
-        return sorted((p[len(base):] for p in found), key=_natural_key)
+        found = glob_mod.glob(self._abs(pattern))
+        return sorted((p[len(self._prefix):] for p in found), key=_natural_key)
 
     # -- CPUs --------------------------------------------------------------------------------
 
