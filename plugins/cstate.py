@@ -44,8 +44,9 @@ IGNORES_DISABLE = "haltpoll"
 def _states(root: SysRoot, cpu: int) -> list[tuple[str, str, int]]:
     """(directory, name, exit latency µs) of each idle state of ``cpu``."""
     found = []
-    for path in root.glob(f"{CPU_DIR}/cpu{cpu}/cpuidle/state*"):
-        found.append((path, root.read(f"{path}/name"), int(root.read(f"{path}/latency"))))
+    for path in root.glob_fixed(f"{CPU_DIR}/cpu{cpu}/cpuidle/state*"):
+        found.append((path, root.read_fixed(f"{path}/name"),
+                      int(root.read_fixed(f"{path}/latency"))))
     return found
 
 

@@ -131,7 +131,7 @@ class Epb:
                 missing.append(cpu)
                 continue
             if not value.isdigit() and root.exists(_epp_available(cpu)):
-                offered = root.read(_epp_available(cpu)).split()
+                offered = root.read_fixed(_epp_available(cpu)).split()
                 if value not in offered:
                     actions.append(Skip(self.name, "epp", f"cpu{cpu} offers only {offered}"))
                     continue

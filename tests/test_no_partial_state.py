@@ -1,6 +1,7 @@
 """No partial state, ever: a plugin hook that raises mid-switch, a switch back that fails when a
 hold is released, re-applying the active profile after drift, a journaled knob that vanished
-while dsr1d was down, journal keys that point outside the root, temporaries left by kills."""
+while dsr1d was down, journal keys that point outside the root, temporaries left by kills, a CPU
+unplugged under a profile, drift that the tuner's memory of its own writes does not see."""
 
 from __future__ import annotations
 
@@ -110,3 +111,43 @@ def test_temporaries_left_by_killed_writers_are_cleaned_up(fake) -> None:
     assert not any(p.exists() for p in stale)
     assert dsr1d(fake, "restore").returncode == 0
     assert sorted(p.name for p in run.iterdir()) == []
+
+
+def _unplug(fake: FakeRoot, cpu: int) -> None:
+    gone = fake.path / f"sys/devices/system/cpu/cpu{cpu}"
+    for path in sorted(gone.rglob("*"), reverse=True):
+        path.rmdir() if path.is_dir() and not path.is_symlink() else path.unlink()
+    gone.rmdir()
+    online = [c for c in fake.cpus if c != cpu]
+    fake.write("sys/devices/system/cpu/online", ",".join(map(str, online)) + "\n")
+
+
+def test_a_cpu_unplugged_under_a_profile_is_kept_journaled_by_the_next_switch(fake) -> None:
+    from dsr1d.core.context import build_core
+
+    core = build_core(fake.path)
+    core.tuner.switch(core.store.load("throughput"))  # idle states off on every CPU
+    assert fake.state_disabled(3, "C6") == "1"
+    _unplug(fake, 3)
+    # balanced gives the idle states back: CPU 3's cannot be, and that is not a failure.
+    plan = core.tuner.switch(core.store.load("balanced"))
+    assert fake.state_disabled(0, "C6") == "0"
+    assert any("/cpu3/" in skip.option for skip in plan.skips)
+    journaled = [o.key for o in core.journal.load().originals]
+    assert any("/cpu3/" in key for key in journaled)
+    assert not any("/cpu0/cpuidle" in key for key in journaled)
+
+
+def test_drift_on_a_knob_the_next_profile_also_sets_is_repaired_by_re_applying(fake) -> None:
+    from dsr1d.core.context import build_core
+
+    core = build_core(fake.path)
+    core.tuner.switch(core.store.load("throughput"))
+    core.tuner.switch(core.store.load("latency"))
+    epb0 = fake.path / EPB.format(0)
+    wanted = epb0.read_text()
+    epb0.write_text("15\n")  # someone else's write, unknown to the daemon
+    drift = core.tuner.verify().drift
+    assert [d.actual for d in drift] == ["15"]
+    core.tuner.switch(core.store.load("latency"))
+    assert epb0.read_text() == wanted and not core.tuner.verify().drift

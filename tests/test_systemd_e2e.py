@@ -120,6 +120,42 @@ def test_unprivileged_caller_is_denied_inside(box):
     box.exec("systemctl", "stop", "dsr1d")
 
 
+POLKIT_RULE = """\
+polkit.addRule(function(action, subject) {
+    if (action.id.indexOf("org.dsr1d.") == 0 && subject.user == "alice")
+        return polkit.Result.YES;
+});
+"""
+
+
+def as_user(box: Container, user: str, *argv: str):
+    return box.exec("setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *argv,
+                    check=False)
+
+
+def test_a_polkit_rule_grants_one_user_and_no_other(box, original_thp):
+    """The shipped policy reaches the real polkitd, which grants alice (by a rules file) and
+    nobody else; the daemon acts on its answer."""
+    for user in ("alice", "bob"):
+        box.exec("useradd", "--no-create-home", user, check=False)
+    box.write_file("/etc/polkit-1/rules.d/50-dsr1d-test.rules", POLKIT_RULE)
+    box.exec("systemctl", "restart", "polkit")
+    box.exec("systemctl", "start", "dsr1d")
+    switch = ("busctl", "--system", "call", "org.dsr1d", "/org/dsr1d", "org.dsr1d.Manager1",
+              "SwitchProfile", "s")
+    granted = as_user(box, "alice", *switch, "e2e-never")
+    assert granted.returncode == 0, granted.stderr
+    assert thp() == "never"
+    refused = as_user(box, "bob", *switch, "sustained")
+    assert refused.returncode != 0 and "needs root, the dsr1d group or polkit" in refused.stderr
+    assert thp() == "never"
+    by_cli = as_user(box, "alice", "dsr1ctl", "profile", "sustained")
+    assert by_cli.returncode == 0, by_cli.stderr
+    assert thp() == "always"
+    box.exec("systemctl", "stop", "dsr1d")
+    assert thp() == original_thp
+
+
 def test_structured_journal_fields(box):
     box.exec("systemctl", "start", "dsr1d")
     box.exec("systemctl", "stop", "dsr1d")

@@ -7,7 +7,7 @@ and put its original value back without knowing which plugin wrote it. Every val
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from dsr1d.contract.sysroot import PM_QOS_DEVICE, SysRoot
@@ -45,10 +45,11 @@ class FileKnob:
     """A plain sysfs/procfs file whose content is the value."""
 
     path: str
+    # Worked out once: a switch asks for it several times per knob.
+    key: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def key(self) -> str:
-        return f"file:{self.path}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", f"file:{self.path}")
 
     def where(self, root: SysRoot) -> str:
         return root.display(self.path)
@@ -70,9 +71,8 @@ _SELECTED = re.compile(r"\[([^\]]+)\]")
 class SelectKnob(FileKnob):
     """A file that lists the choices and brackets the active one (``always [madvise] never``)."""
 
-    @property
-    def key(self) -> str:
-        return f"select:{self.path}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", f"select:{self.path}")
 
     def read(self, root: SysRoot) -> str:
         text = root.read(self.path)
@@ -87,10 +87,10 @@ class MsrKnob:
     cpu: int
     reg: int
     mask: int
+    key: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def key(self) -> str:
-        return f"msr:{self.cpu}:{self.reg:#x}:{self.mask:#x}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", f"msr:{self.cpu}:{self.reg:#x}:{self.mask:#x}")
 
     @property
     def shift(self) -> int:

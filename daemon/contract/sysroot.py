@@ -13,7 +13,9 @@ import glob as glob_mod
 import os
 import re
 import struct
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 CPU_DIR = "sys/devices/system/cpu"
 CPU_ONLINE = f"{CPU_DIR}/online"
@@ -58,6 +60,21 @@ class SysRoot:
         self._pm_qos_fd: int | None = None
         self._pm_qos_value: int | None = None
         self._cpuinfo: dict[str, str] | None = None  # fixed for the life of the machine
+        self._msr_dirs: set[str] = set()  # MSR nodes known to be a fake root's directories
+        self._memo: dict[object, object] | None = None
+        self._fixed: dict[str, object] = {}  # attributes that change only with the hardware
+
+    @contextmanager
+    def steady(self) -> Iterator[None]:
+        """Within it, ``exists`` and MSR reads answer once per path and register: a plan looks
+        at one machine, and reads four prefetcher bits of a register with one read, not four.
+        An MSR write inside it forgets that register."""
+        outer = self._memo
+        self._memo = {} if outer is None else outer
+        try:
+            yield
+        finally:
+            self._memo = outer
 
     def __repr__(self) -> str:
         return f"SysRoot({str(self.root)!r})"
@@ -76,11 +93,37 @@ class SysRoot:
         return self._abs(rel)
 
     def exists(self, rel: str) -> bool:
-        return os.path.exists(self._abs(rel))
+        memo = self._memo
+        if memo is None:
+            return os.path.exists(self._abs(rel))
+        found = memo.get(rel)
+        if found is None:
+            found = memo[rel] = os.path.exists(self._abs(rel))
+        return bool(found)
 
     def read(self, rel: str) -> str:
         """The stripped text of a file (at most one page, like every sysfs attribute)."""
         return _read_capped(self._abs(rel)).decode().strip()
+
+    def read_fixed(self, rel: str) -> str:
+        """``read`` for an attribute that changes only when the hardware does (an idle state's
+        name and latency, the EPP choices offered), remembered until ``forget_fixed``."""
+        found = self._fixed.get(rel)
+        if found is None:
+            found = self._fixed[rel] = self.read(rel)
+        return str(found)
+
+    def glob_fixed(self, pattern: str) -> list[str]:
+        """``glob`` for entries that come and go only with the hardware (idle state folders)."""
+        key = "glob:" + pattern
+        found = self._fixed.get(key)
+        if found is None:
+            found = self._fixed[key] = self.glob(pattern)
+        return list(found)  # type: ignore[call-overload]
+
+    def forget_fixed(self) -> None:
+        """CPUs came or went, or a driver changed: read the fixed attributes again."""
+        self._fixed.clear()
 
     def write(self, rel: str, value: str) -> None:
         """Write ``value`` to an existing file (never creates one: a missing knob is an error)."""
@@ -142,8 +185,25 @@ class SysRoot:
 
     def read_msr(self, cpu: int, reg: int) -> int:
         """The 64-bit value of register ``reg`` on ``cpu``."""
+        memo = self._memo
+        if memo is not None and (cpu, reg) in memo:
+            return memo[(cpu, reg)]  # type: ignore[return-value]
+        value = self._read_msr(cpu, reg)
+        if memo is not None:
+            memo[(cpu, reg)] = value
+        return value
+
+    def _is_msr_dir(self, path: str) -> bool:
+        if path in self._msr_dirs:
+            return True
+        if os.path.isdir(path):  # a fake root: one file per register; it stays a directory
+            self._msr_dirs.add(path)
+            return True
+        return False
+
+    def _read_msr(self, cpu: int, reg: int) -> int:
         path = self._abs(self.msr_path(cpu))
-        if os.path.isdir(path):  # a fake root: one file per register
+        if self._is_msr_dir(path):
             data = _read_capped(f"{path}/{reg:#x}", limit=8)
         else:
             fd = os.open(path, os.O_RDONLY)
@@ -159,7 +219,9 @@ class SysRoot:
         """Write the 64-bit ``value`` to register ``reg`` on ``cpu``."""
         path = self._abs(self.msr_path(cpu))
         data = struct.pack("<Q", value)
-        if os.path.isdir(path):
+        if self._memo is not None:
+            self._memo.pop((cpu, reg), None)
+        if self._is_msr_dir(path):
             fd = os.open(f"{path}/{reg:#x}", os.O_WRONLY | os.O_TRUNC)
             try:
                 os.write(fd, data)

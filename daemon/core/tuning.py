@@ -3,6 +3,10 @@
 Rules kept here and nowhere else: the original of a knob is journaled before its first write;
 writes that change nothing are skipped; a switch either fully happens or is fully undone; restore
 goes in reverse order of first writes and removes the journal only when everything is back.
+
+The tuner remembers the value it last wrote to (or read from) each knob it journaled, so a switch
+between two profiles reads nothing it already knows: it is the one writer of those knobs. Anyone
+else's write is drift, and re-applying the active profile (the repair) reads every knob again.
 """
 
 from __future__ import annotations
@@ -22,18 +26,19 @@ BeforeWrite = Callable[[str, str, str], None]
 
 @dataclass(frozen=True)
 class Change:
-    """One knob: where it is, its value now, and the value it should get."""
+    """One knob: its key, its value now, and the value it should get."""
 
     tunable: str
     key: str
-    where: str
     current: str
     wanted: str
-    knob: Knob | None = field(default=None, compare=False, repr=False)
+    knob: Knob = field(compare=False, repr=False)
+    root: SysRoot = field(compare=False, repr=False)
 
-    def the_knob(self) -> Knob:
-        """The knob itself (carried, so a switch never turns its key back into a knob)."""
-        return self.knob if self.knob is not None else knob_from_key(self.key)
+    @property
+    def where(self) -> str:
+        """The path (and register) as shown to people; worked out only when shown."""
+        return self.knob.where(self.root)
 
 
 @dataclass
@@ -113,15 +118,18 @@ class Tuner:
         self._before_write = before_write or (lambda target, key, value: None)
         self.undo_advice = UNDO_ADVICE       # the daemon says what to do while it runs
         self.vanished: list[str] = []        # knobs the last restore found gone
+        self._values: dict[str, str] = {}    # key -> value last written or read, journaled keys
+        self._support: dict[str, Support] = {}  # probes, until the CPUs or the root change
 
     # -- reading -----------------------------------------------------------------------------
 
     def probe(self) -> list[TunableInfo]:
         """Every tunable: supported here or not, why, and its current values."""
         infos = []
+        self.root.forget_fixed()
         for name, tunable in self.tunables.items():
             try:
-                support = tunable.probe(self.root)
+                support = self._support[name] = tunable.probe(self.root)
                 current = tunable.read(self.root) if support.supported else {}
             except OSError as exc:  # a knob that cannot even be read: say so, never crash
                 where = f" {exc.filename}" if exc.filename else ""
@@ -153,8 +161,9 @@ class Tuner:
             try:
                 if holds(knob, self.root, wanted):
                     continue
-                actual = knob.read(self.root)
+                actual = self._values[key] = knob.read(self.root)
             except OSError as exc:
+                self._values.pop(key, None)
                 actual = f"unreadable ({exc.strerror})"
             if getattr(knob, "lives_with_process", False) and not holder_alive:
                 result.notes.append(f"{tunable}: {knob.where(self.root)} {wanted}: the request "
@@ -171,7 +180,12 @@ class Tuner:
         With ``cpus``, only the per-CPU knobs of those CPUs (for CPUs that came online).
         """
         state = self.journal.load() or self.journal.new()
-        plan = self._plan(profile, state, cpus)
+        if cpus is not None:  # CPUs came or went: what is supported may have changed
+            self._support.clear()
+            self.root.forget_fixed()
+        # Re-applying the active profile is the repair after drift: it reads every knob.
+        trusted = self._trusted(state) if cpus is None and profile.name != state.profile else {}
+        plan = self._plan(profile, state, cpus, trusted)
         pending = state.copy()
         known = {o.key for o in pending.originals}
         for change in plan.changes:
@@ -189,7 +203,7 @@ class Tuner:
                     (state.profile, state.wanted, len(state.originals)):
                 self.journal.save(pending)
             for change in plan.writes:
-                self._write(change.tunable, change.the_knob(), change.wanted)
+                self._write(change.tunable, change.knob, change.wanted)
                 done.append(change)
         except Exception as exc:
             undo_errors = self._undo(done)
@@ -212,6 +226,9 @@ class Tuner:
         state = self.journal.load()
         self.root.pm_qos_release()
         self.vanished = []
+        self._values.clear()
+        self._support.clear()
+        self.root.forget_fixed()
         if state is None:
             return [], []
         restored: list[Change] = []
@@ -226,8 +243,8 @@ class Tuner:
                 current = knob.read(self.root)
                 if current != original.value:
                     self._write(original.tunable, knob, original.value)
-                    restored.append(Change(original.tunable, original.key, knob.where(self.root),
-                                           current, original.value))
+                    restored.append(Change(original.tunable, original.key, current,
+                                           original.value, knob, self.root))
             except KnobError as exc:
                 errors.append(exc)
                 kept.append(original)
@@ -248,7 +265,9 @@ class Tuner:
             options = profile.sections.get(name)
             if not options:
                 continue
-            support = tunable.probe(self.root)
+            support = self._support.get(name)
+            if support is None:
+                support = self._support[name] = tunable.probe(self.root)
             if not support.supported:
                 plan.unsupported[name] = support.detail
                 continue
@@ -263,14 +282,26 @@ class Tuner:
                     settings[action.knob.key] = action
         return list(settings.values())
 
-    def _plan(self, profile: Profile, state: JournalState, cpus: list[int] | None = None) -> Plan:
+    def _trusted(self, state: JournalState) -> dict[str, str]:
+        """What this tuner knows of the knobs the journal lists as its own."""
+        values = self._values
+        return {o.key: values[o.key] for o in state.originals if o.key in values}
+
+    def _plan(self, profile: Profile, state: JournalState, cpus: list[int] | None = None,
+              trusted: dict[str, str] | None = None) -> Plan:
+        with self.root.steady():
+            return self._plan_steady(profile, state, cpus, trusted or {})
+
+    def _plan_steady(self, profile: Profile, state: JournalState, cpus: list[int] | None,
+                     trusted: dict[str, str]) -> Plan:
         plan = Plan(profile.name)
         settings = self._settings(profile, plan, cpus)
         for setting in settings:
             knob = setting.knob
-            current = self._read(setting.tunable, knob)
-            change = Change(setting.tunable, knob.key, knob.where(self.root), current,
-                            setting.value, knob)
+            current = trusted.get(knob.key)
+            if current is None:
+                current = self._values[knob.key] = self._read(setting.tunable, knob)
+            change = Change(setting.tunable, knob.key, current, setting.value, knob, self.root)
             (plan.changes if current != setting.value else plan.unchanged).append(change)
             plan.wanted[setting.knob.key] = setting.value
         if cpus is not None:
@@ -282,15 +313,17 @@ class Tuner:
                 continue
             knob = knob_from_key(original.key)
             try:
-                current = knob.read(self.root)
+                current = trusted.get(original.key)
+                if current is None or not knob.exists(self.root):  # its CPU went offline?
+                    current = knob.read(self.root)
             except OSError as exc:
                 plan.skips.append(Skip(original.tunable, original.key,
                                        f"cannot read to restore: {exc.strerror}; kept in journal"))
                 continue
             plan.dropped.append(original.key)
             if current != original.value:
-                plan.releases.append(Change(original.tunable, original.key, knob.where(self.root),
-                                            current, original.value, knob))
+                plan.releases.append(Change(original.tunable, original.key, current,
+                                            original.value, knob, self.root))
         return plan
 
     def _read(self, tunable: str, knob: Knob) -> str:
@@ -301,8 +334,10 @@ class Tuner:
 
     def _write(self, tunable: str, knob: Knob, value: str) -> None:
         self._before_write("knob", knob.key, value)
+        self._values.pop(knob.key, None)  # unknown until the write is known to have happened
         try:
             knob.write(self.root, value)
+            self._values[knob.key] = value
         except OSError as exc:
             raise KnobError(tunable, knob.where(self.root), exc, f"write {value!r} to") from None
 
@@ -310,7 +345,7 @@ class Tuner:
         errors: list[Exception] = []
         for change in reversed(done):
             try:
-                self._write(change.tunable, change.the_knob(), change.current)
+                self._write(change.tunable, change.knob, change.current)
             except Exception as exc:  # a knob refusing, or a plugin's hook raising
                 errors.append(exc)
         return errors

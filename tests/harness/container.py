@@ -1,6 +1,6 @@
 """Real systemd as PID 1: a cached Debian tree booted with systemd-nspawn (TESTING-RECIPES.md).
 
-The tree (debootstrap minbase + systemd, dbus, python3, venv support) is built once per machine
+The tree (debootstrap minbase + systemd, dbus, polkitd, python3, venv support) is built once per machine
 under ``/var/cache/dsr1d-test/bookworm/tree-<key>``; ``key`` changes with ``TREE_VERSION`` or the
 package list, so bumping either rebuilds.  Each boot runs on an overlayfs whose upper layer is a
 throw-away directory, so a test can write anywhere in the container (``/etc/systemd/system``,
@@ -38,6 +38,7 @@ PACKAGES = (
     # What tools/apt-deps.sh wants for building the project's venv (systemd-python is an sdist).
     "python3-dev", "gcc", "pkg-config", "libsystemd-dev",
     "procps",                   # ps/pgrep/kill for tests and for debugging a stuck boot
+    "polkitd",                  # the real polkit daemon, for the rules-file test
 )
 CACHE = Path(os.environ.get("DSR1D_TEST_CACHE", "/var/cache/dsr1d-test")) / SUITE
 HOST_TOOLS = {"debootstrap": "debootstrap", "systemd-nspawn": "systemd-container"}
