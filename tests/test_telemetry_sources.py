@@ -652,7 +652,8 @@ def test_collect_sources_rejects_bad_sources() -> None:
 
 def test_builtin_sources_and_unchanged_tunables() -> None:
     pm = make_manager()
-    assert list(collect_tunables(pm)) == ["cstate", "epb", "prefetcher", "rapl", "thp", "turbo"]
+    assert list(collect_tunables(pm)) == ["cpufreq", "cstate", "epb", "prefetcher", "rapl", "thp",
+                                         "turbo"]
     assert list(collect_sources(pm)) == ["turbostat", "rapl", "hwmon", "thermal_zones",
                                          "throttle", "msr_throttle", "cpufreq", "procstat"]
 

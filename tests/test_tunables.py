@@ -211,3 +211,26 @@ def test_journal_records_the_root_it_belongs_to(fake):
     import json
     assert json.loads(core.journal.path.read_text())["root"] == str(fake.path.resolve())
     assert core.journal.path == fake.path / "run/dsr1d/state.json"
+
+
+# -- cpufreq (the frequency ceiling) ---------------------------------------------------------
+
+def test_cpufreq_ceiling_round_trip_clamped_to_the_hardware(fake):
+
+    def applied():
+        assert [fake.read(f"{CPU}/cpu{c}/cpufreq/scaling_max_freq") for c in range(4)] == \
+            ["2800000"] * 4
+
+    apply_and_restore(fake, {"cpufreq": {"max_mhz": 2800}}, applied)
+
+    def clamped():
+        assert fake.read(f"{CPU}/cpu0/cpufreq/scaling_max_freq") == "800000"
+
+    apply_and_restore(fake, {"cpufreq": {"max_mhz": 200}}, clamped)
+
+
+def test_cpufreq_unsupported_without_cpufreq_says_why(tmp_path):
+    fake = FakeRoot(tmp_path).add_cpu(0)
+    core = build_core(fake.path)
+    support = core.tunables["cpufreq"].probe(core.root)
+    assert not support.supported and "no cpufreq driver" in support.detail

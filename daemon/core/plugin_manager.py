@@ -22,6 +22,7 @@ DEFAULT_PLUGINS = (
     "dsr1d.plugins.thp",
     "dsr1d.plugins.powerlimit",
     "dsr1d.plugins.turbo",
+    "dsr1d.plugins.cpufreq",
     "dsr1d.plugins.turbostat",
     "dsr1d.plugins.rapl",
     "dsr1d.plugins.thermal",

@@ -1,0 +1,186 @@
+"""The tokens-per-joule controller against the hardware-shaped plants (simulated time only).
+
+Every plant class, every false-alarm trace (no action expected), the PL1 actuator (never above
+the firmware's value, a lock detected by reading back), the command line a script compares
+policies with, and the generated ``[mitigation]`` settings.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from dsr1d.core.efficiency import EfficiencyConfig, EfficiencyController, Observation, settings
+from dsr1d.sim.run import Dsr1d, Policy, compare, figures, run, summary
+from dsr1d.sim.scenarios import Scenario, ensemble, plants
+
+PLANTS = plants()
+
+
+@pytest.fixture(scope="module")
+def compared() -> dict[str, dict]:
+    names = ("step-tcc", "floor-prochot", "memory-knee", "amd", "inlet-step")
+    return {name: compare(PLANTS[name], 600) for name in names}
+
+
+def actions(rows: list[dict]) -> list[tuple[float, object]]:
+    return [(r["time_s"], a) for r in rows for a in r["actions"]]
+
+
+@pytest.mark.parametrize("name", ["idle", "bursty", "pl2-expiry", "vm"])
+def test_false_alarm_traces_get_no_action(name: str) -> None:
+    rows = run(PLANTS[name], Dsr1d(), 600)
+    assert actions(rows) == []
+    assert {r["state"] for r in rows} == {"none"}
+
+
+def test_the_pl2_expiry_drop_is_seen_and_not_taken_for_heat() -> None:
+    rows = run(PLANTS["pl2-expiry"], Dsr1d(), 120)
+    early, late = rows[5], rows[-1]
+    assert early["freq_mhz"] > late["freq_mhz"] + 500          # the drop happened
+    assert late["limit_reasons"] & (1 << 10) and late["events"] == 0
+
+
+def test_memory_bound_decode_runs_cooler_at_the_same_tokens(compared: dict) -> None:
+    r = compared["memory-knee"]
+    assert r["tokens_ratio"] >= 0.97
+    assert r["energy_ratio"] <= 0.6          # the 1.2 GHz knee: frequency buys nothing above it
+    assert r["dsr1d"]["mean_mhz"] < 0.7 * r["stock"]["mean_mhz"]
+
+
+def test_the_floor_clamp_is_avoided(compared: dict) -> None:
+    r = compared["floor-prochot"]
+    assert r["tokens_ratio"] >= 1.2 and r["energy_ratio"] <= 0.7
+    assert r["stock"]["throttle_events_per_min"] > 30
+    assert r["dsr1d"]["throttle_events_per_min"] == 0
+
+
+@pytest.mark.parametrize("name", ["step-tcc", "inlet-step", "amd"])
+def test_stepwise_throttling_plants_keep_throughput_and_save_energy(compared: dict,
+                                                                   name: str) -> None:
+    r = compared[name]
+    assert r["tokens_ratio"] >= 0.97 and r["energy_ratio"] < 0.97
+    assert r["tokens_vs_oracle"] >= 0.97 and r["energy_vs_oracle"] <= 1.10
+    ours = r["dsr1d"]
+    assert r["would_throttle"] and r["acted_before_throttling"]
+    assert ours["first_action_s"] < r["stock"]["first_thermal_event_s"]
+    assert ours["peak_temp_c"] < PLANTS[name].params.t_limit_c
+
+
+def test_amd_is_driven_by_the_ceiling_alone() -> None:
+    rows = run(PLANTS["amd"], Dsr1d(), 600)
+    assert {a.rung for _, a in actions(rows)} == {"freq_ceiling"}
+    assert all(r["pl1_w"] == 280.0 for r in rows)
+
+
+def test_a_cpu_coming_online_with_boot_counts_is_no_throttle_evidence() -> None:
+    rows = run(PLANTS["cpu-online"], Dsr1d(), 300)
+    assert rows[-1]["throttle_count"] >= 5000 and rows[-1]["events"] == 0
+    assert not [a for t, a in actions(rows) if "throttled" in a.reason]
+
+
+def test_pl1_is_only_lowered_and_a_lock_is_read_back() -> None:
+    free = Scenario("no-cpufreq", replace(PLANTS["step-tcc"].params, cpufreq_ceiling=False))
+    rows = run(free, Dsr1d(), 600)
+    caps = [a.params["pl1_w"] for _, a in actions(rows) if a.kind == "apply"]
+    assert caps and all(c <= 350.0 for c in caps) and caps == sorted(caps, reverse=True)
+    assert {a.rung for _, a in actions(rows)} == {"rapl_pl1"}
+    assert figures(rows)["peak_temp_c"] < 105.0
+    locked = Scenario("locked", replace(free.params, pl1_writable=False))
+    got = actions(run(locked, Dsr1d(), 600))
+    assert [a.kind for _, a in got] == ["apply", "release"]      # tried once, no limit cycle
+    assert "ignores" in got[1][1].reason
+
+
+def test_missing_values_are_never_evidence() -> None:
+    ctl = EfficiencyController()
+    for t in range(300):
+        got = ctl.step(Observation(time_s=float(t), tokens_per_s=10.0, busy_mhz=3800.0,
+                                   pkg_power_w=None, pkg_temp_c=110.0, max_mhz=3800.0,
+                                   throttle_ms=float(t * 500)))
+        assert got == []
+    # the throttle time rising is reported, and nothing is applied without the power reading
+    assert ctl.state == "throttling" and ctl.active == []
+
+
+def test_every_action_says_why_and_the_ceiling_is_lifted_when_decode_stops() -> None:
+    sc = PLANTS["memory-knee"]
+
+    def stop_at_300(t: float, plant) -> None:
+        plant.controls.load = 1.0 if t < 300 else 0.0
+    rows = run(Scenario("stops", sc.params, stop_at_300), Dsr1d(), 400)
+    acts = actions(rows)
+    assert all(len(a.reason) > 20 for _, a in acts)
+    last_t, last = acts[-1]
+    assert last.kind == "release" and 300 < last_t <= 340 and "decode stopped" in last.reason
+    assert rows[-1]["ceiling_mhz"] == 3800.0 and rows[-1]["state"] == "none"
+
+
+def test_the_ensemble_is_seeded_and_summarised() -> None:
+    a = [s.params for s in ensemble(5, seed=3)]
+    assert a == [s.params for s in ensemble(5, seed=3)]
+    assert a != [s.params for s in ensemble(5, seed=4)]
+    results = [compare(s, 300) for s in ensemble(3, seed=3)]
+    summ = summary(results)
+    assert summ["plants"] == 3
+    assert 0.9 <= summ["median_tokens_ratio"] <= 1.5 and summ["median_energy_ratio"] <= 1.0
+
+
+def test_stock_is_what_the_plant_does_alone() -> None:
+    rows = run(PLANTS["step-tcc"], Policy(), 200)
+    assert actions(rows) == [] and rows[-1]["ceiling_mhz"] == 3800.0
+
+
+def simulate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dsr1d.edges.admin", "simulate", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_simulate_json_for_one_plant_and_policy() -> None:
+    out = simulate("--plant", "memory-knee", "--policy", "ceiling:2200", "--seconds", "200",
+                   "--json")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    for key in ("tokens_per_s", "p5_tokens_per_s", "joules_per_token", "throttle_events_per_min",
+                "throttle_duty", "actions", "first_action_s", "first_thermal_event_s"):
+        assert key in got
+    assert got["policy"] == "ceiling:2200" and got["actions"] == 0
+    assert 2100 <= got["mean_mhz"] <= 2200
+
+
+def test_simulate_json_for_the_ensemble() -> None:
+    out = simulate("--ensemble", "2", "--seed", "5", "--seconds", "200", "--json")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert len(got["plants"]) == 2
+    for key in ("median_tokens_ratio", "worst_tokens_ratio", "median_energy_ratio",
+                "worst_energy_ratio", "median_tokens_vs_oracle", "worst_energy_vs_oracle"):
+        assert isinstance(got["summary"][key], float)
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--plant", "nope"], "unknown; known: step-tcc"),
+    (["--policy", "ceiling:abc"], "the ceiling is in MHz"),
+    (["--policy", "fastest"], "unknown policy"),
+    (["--ensemble", "0"], "N from 1"),
+    (["--delta", "90"], "outside"),
+])
+def test_bad_simulate_arguments_are_clear(args: list[str], why: str) -> None:
+    out = simulate(*args)
+    assert out.returncode == 2 and why in out.stderr and "Traceback" not in out.stderr
+
+
+def test_every_setting_is_typed_described_and_checked() -> None:
+    names = [s[0] for s in settings()]
+    assert len(names) >= 15 and "delta_percent" in names
+    assert all(s[3] for s in settings())
+    cfg = EfficiencyConfig.from_section({"delta_percent": "5", "pl1": "off", "probe_bins": "3"})
+    assert (cfg.delta_percent, cfg.pl1, cfg.probe_bins) == (5.0, False, 3)
+    for bad in ({"delta_percent": "x"}, {"delta_percent": "-1"}, {"nope": "1"},
+                {"pl1": "maybe"}):
+        with pytest.raises(ValueError):
+            EfficiencyConfig.from_section(bad)
