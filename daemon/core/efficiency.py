@@ -286,8 +286,7 @@ class EfficiencyController:
                 del self._temps[:-600]
         if o.time_s - self._steady_since < cfg.steady_s:
             return []
-        ceiling = self._ceiling_actuator(o)
-        if ceiling is None:
+        if not o.max_mhz:                      # no frequency ceiling to set: PL1 only
             return self._pl1_guard(o, throttled)
         if throttled and o.busy_mhz is not None and o.time_s - self._changed_s >= 1.0:
             self._thermal_mhz = self._bin_down(min(o.busy_mhz, self._applied_mhz(o)) -
@@ -308,7 +307,8 @@ class EfficiencyController:
         if self._window is None:
             self._window = _Window(o.time_s)
         self._window.add(o)
-        if o.time_s - self._window.start_s + 1e-9 >= cfg.dwell_s - 1.0:
+        period = o.time_s - self._prev.time_s if self._prev is not None else 1.0
+        if o.time_s - self._window.start_s + period + 1e-9 >= cfg.dwell_s:
             point = self._window.point()
             self._points.append(point)
             self._r_best = max(self._r_best, point[1])
@@ -318,9 +318,6 @@ class EfficiencyController:
             self._window = None
             return True
         return False
-
-    def _ceiling_actuator(self, o: Observation) -> float | None:
-        return o.max_mhz if o.max_mhz else None
 
     def _applied_mhz(self, o: Observation) -> float:
         if "freq_ceiling" in self.active:

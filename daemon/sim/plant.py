@@ -68,7 +68,6 @@ core at 3.8 GHz; a 7B-class bf16 model (15.2 GB per token) on 250 GB/s, knee 2.6
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -516,14 +515,3 @@ def apply_controls(plant: Plant, controls: dict[str, Any]) -> None:
         if key in controls:
             setattr(plant.controls, key, controls[key])
 
-
-def steady_temp_c(params: PlantParams, f_ghz: float, threads: int | None = None) -> float:
-    """The die temperature a constant ``f`` settles at (leakage iterated), for the docs and tests."""
-    plant = Plant(params)
-    n = params.cores if threads is None else threads
-    t = params.ambient_c
-    for _ in range(50):
-        t = params.ambient_c + params.r_total_k_per_w * plant.power_w(f_ghz, n, 1.0, t)
-        if not math.isfinite(t) or t > 500:
-            return math.inf
-    return t

@@ -178,7 +178,8 @@ def figures(rows: list[dict[str, Any]], warmup_s: float = WARMUP_S) -> dict[str,
     span = max(1e-9, end["time_s"] - warm["time_s"])
     tokens = end["tokens"] - warm["tokens"]
     energy = end["energy_j"] - warm["energy_j"]
-    decoding = [r["tokens_per_s"] for r in rows if r["time_s"] > warm["time_s"] and r["load"] > 0]
+    after = [r for r in rows if r["time_s"] > warm["time_s"]]
+    decoding = [r["tokens_per_s"] for r in after if r["load"] > 0]
     first_event = next((r["time_s"] for r in rows if r["events"] > 0), None)
     first_action = next((r["time_s"] for r in rows if r["actions"]), None)
     return {
@@ -191,8 +192,7 @@ def figures(rows: list[dict[str, Any]], warmup_s: float = WARMUP_S) -> dict[str,
         "first_action_s": first_action,
         "first_thermal_event_s": first_event,
         "peak_temp_c": max(r["pkg_temp_c"] for r in rows),
-        "mean_mhz": sum(r["freq_mhz"] for r in rows if r["time_s"] > warm["time_s"])
-        / max(1, sum(1 for r in rows if r["time_s"] > warm["time_s"])),
+        "mean_mhz": sum(r["freq_mhz"] for r in after) / max(1, len(after)),
     }
 
 

@@ -25,7 +25,6 @@ from dsr1d.sim.run import (ActionMapper, compare, figures, ladder_sample, policy
 from dsr1d.sim.scenarios import FLOOR_PROCHOT, Scenario, ensemble, plants
 
 XEON_SUSTAINED = FLOOR_PROCHOT
-PRESETS = {XEON_SUSTAINED.name: XEON_SUSTAINED}
 
 
 # -- plant + controller --------------------------------------------------------------------------
