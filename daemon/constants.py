@@ -20,3 +20,13 @@ CPU_MHZ = "cpu_mhz"
 THROTTLE_COUNT = "throttle_count"
 ENGINE_TOKENS_PER_S = "engine_tokens_per_s"
 LOAD_1M = "load_1m"
+# what the tokens-per-joule controller reads besides the above
+THROTTLE_MS = "throttle_ms"          # cumulative thermal throttle time, the most throttled CPU
+ONLINE_CPUS = "online_cpus"
+LIMIT_REASONS = "limit_reasons"      # MSR_CORE_PERF_LIMIT_REASONS 0x64F, low 16 bits
+TJ_MAX_C = "tj_max_c"                # MSR_TEMPERATURE_TARGET 0x1A2 bits 23:16
+TCC_OFFSET_C = "tcc_offset_c"        # and bits 29:24
+CPU_MAX_MHZ = "cpu_max_mhz"          # cpuinfo_max_freq, the hardware's top
+CPU_MIN_MHZ = "cpu_min_mhz"
+CEILING_MHZ = "ceiling_mhz"          # the lowest scaling_max_freq over the online CPUs
+PL1_W = "pl1_w"                      # RAPL long-term limit of package 0, as read back

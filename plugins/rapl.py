@@ -6,8 +6,9 @@
 delta over the time between two reads. Since CVE-2020-8694 (PLATYPUS) ``energy_uj`` is
 readable by root only.
 
-Keys: ``rapl_<domain>_w`` (``rapl_package_0_w``, ``rapl_package_0_dram_w``, ``rapl_psys_w``)
-and ``pkg_power_w`` (the packages summed). The first read only primes the counters; a
+Keys: ``rapl_<domain>_w`` (``rapl_package_0_w``, ``rapl_package_0_dram_w``, ``rapl_psys_w``),
+``pkg_power_w`` (the packages summed) and ``pl1_w`` (package 0's ``constraint_0_power_limit_uw``
+as the hardware reads it back, where there is one). The first read only primes the counters; a
 counter that goes backwards (anything but a wrap) makes that domain unavailable for that
 interval; a wrap is told from a reset by its size (a real wrap moves less than half the
 range in one interval).
@@ -20,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from dsr1d.constants import PKG_POWER_W
+from dsr1d.constants import PKG_POWER_W, PL1_W
 from dsr1d.contract.hookspecs import hookimpl
 from dsr1d.contract.sysroot import SysRoot
 from dsr1d.contract.telemetry import UNAVAILABLE, Unavailable, describe_oserror, read_int, \
@@ -40,6 +41,7 @@ class Domain:
     package: bool      # a top-level package-N domain (summed into pkg_power_w)
     max_range_uj: int
     energy: str        # the absolute path of its energy_uj
+    pl1: str | None = None   # its constraint_0_power_limit_uw (packages with a limit)
     last_uj: int | None = None
     last_t: float | None = None
 
@@ -88,8 +90,10 @@ class Rapl:
                 max_range = int(root.read(f"{path}/max_energy_range_uj"))
             except (OSError, ValueError):
                 max_range = 0  # unknown: a decrease is then never taken for a wrap
+            limit = f"{path}/constraint_0_power_limit_uw"
             domains.append(Domain(zone, name, key, package, max_range,
-                                  root.display(f"{path}/energy_uj")))
+                                  root.display(f"{path}/energy_uj"),
+                                  root.display(limit) if package and root.exists(limit) else None))
         return domains
 
     # -- the contract ------------------------------------------------------------------------
@@ -154,6 +158,12 @@ class Rapl:
                 package_w.append(watts)
         if package_w and not package_missing:
             out[PKG_POWER_W] = round(sum(package_w), 3)
+        first = next((d for d in self.domains if d.pl1), None)
+        if first is not None and first.pl1 is not None:
+            try:
+                out[PL1_W] = read_int(first.pl1) / 1e6
+            except (OSError, ValueError):
+                pass    # the limit is evidence for one decision only; power still counts
         if vanished:  # hotplug: find the domains again for the next read
             self.domains = self.discover(root)
         if missing:

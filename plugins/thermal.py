@@ -12,10 +12,18 @@ Five sources, each available or not on its own:
 - ``throttle`` — ``/sys/devices/system/cpu/cpuN/thermal_throttle/{core,package}_throttle_count``:
   ``throttle_count`` = every core's count (once per core) + every package's (once per package),
   also ``throttle_core_count`` and ``throttle_package_count``; cumulative since boot.
+  ``throttle_ms``: the largest ``*_throttle_total_time_ms`` (the most throttled core or package);
+  ``online_cpus``: how many CPUs are online (a change says the counters were rebased). The paths
+  are found again whenever that count changes.
 - ``msr_throttle`` — IA32_THERM_STATUS (0x19C, per core) and IA32_PACKAGE_THERM_STATUS (0x1B1):
   ``throttle_active`` (bit 0, "thermal status": the part is throttling now), ``prochot_active``
   (bit 2) and ``throttle_logged`` (bit 1, sticky since boot) — Intel only, where
-  ``/dev/cpu/N/msr`` is readable.
+  ``/dev/cpu/N/msr`` is readable. Where they read too: ``limit_reasons``
+  (MSR_CORE_PERF_LIMIT_REASONS 0x64F, low 16 bits: what limits the clock now), ``tj_max_c`` and
+  ``tcc_offset_c`` (MSR_TEMPERATURE_TARGET 0x1A2 bits 23:16 and 29:24: where TCC steps in).
+- ``cpufreq_limits`` — ``cpufreq/{cpuinfo_max_freq,cpuinfo_min_freq,scaling_max_freq}``:
+  ``cpu_max_mhz``, ``cpu_min_mhz`` (CPU 0's range) and ``ceiling_mhz`` (the lowest
+  ``scaling_max_freq`` of the online CPUs): what a frequency ceiling can do.
 - ``cpufreq`` — ``cpufreq/scaling_cur_freq`` (kHz): ``cpu_mhz`` (list, by CPU number) and
   ``cpu_mhz_avg``; a fallback: not read at all while turbostat measures ``cpu_mhz``.
 """
@@ -26,7 +34,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsr1d.constants import CPU_MHZ, PKG_TEMP_C, THROTTLE_COUNT
+from dsr1d.constants import (CEILING_MHZ, CPU_MAX_MHZ, CPU_MHZ, CPU_MIN_MHZ, LIMIT_REASONS,
+                             ONLINE_CPUS, PKG_TEMP_C, TCC_OFFSET_C, THROTTLE_COUNT, THROTTLE_MS,
+                             TJ_MAX_C)
 from dsr1d.contract.hookspecs import hookimpl
 from dsr1d.contract.sysroot import CPU_DIR, SysRoot
 from dsr1d.contract.telemetry import UNAVAILABLE, Unavailable, describe_oserror, msr_reader, \
@@ -36,6 +46,8 @@ from dsr1d.contract.tunable import Support
 THERMAL = "sys/class/thermal"
 HWMON = "sys/class/hwmon"
 IA32_THERM_STATUS = 0x19C
+MSR_TEMPERATURE_TARGET = 0x1A2
+MSR_CORE_PERF_LIMIT_REASONS = 0x64F
 IA32_PACKAGE_THERM_STATUS = 0x1B1
 
 
@@ -222,6 +234,8 @@ class Hwmon(_Cached):
 class Counters:
     core: list[str] = field(default_factory=list)       # one absolute path per physical core
     package: list[str] = field(default_factory=list)    # one absolute path per package
+    times: list[str] = field(default_factory=list)      # *_throttle_total_time_ms paths
+    online: int = 0                                     # online CPUs when these were found
 
 
 def _topology(root: SysRoot, cpu_path: str, cpu: int) -> tuple[int, int]:
@@ -242,7 +256,7 @@ class ThrottleCounters(_Cached):
     priority = 50
 
     def discover(self, root: SysRoot) -> Counters:
-        found = Counters()
+        found = Counters(online=len(root.online_cpus()))
         seen_core: set[tuple[int, int]] = set()
         seen_pkg: set[int] = set()
         for cpu_path in root.glob(f"{CPU_DIR}/cpu[0-9]*"):
@@ -253,9 +267,13 @@ class ThrottleCounters(_Cached):
             if (pkg, core) not in seen_core and root.exists(f"{tt}/core_throttle_count"):
                 seen_core.add((pkg, core))
                 found.core.append(root.display(f"{tt}/core_throttle_count"))
+                if root.exists(f"{tt}/core_throttle_total_time_ms"):
+                    found.times.append(root.display(f"{tt}/core_throttle_total_time_ms"))
             if pkg not in seen_pkg and root.exists(f"{tt}/package_throttle_count"):
                 seen_pkg.add(pkg)
                 found.package.append(root.display(f"{tt}/package_throttle_count"))
+                if root.exists(f"{tt}/package_throttle_total_time_ms"):
+                    found.times.append(root.display(f"{tt}/package_throttle_total_time_ms"))
         return found
 
     def probe(self, root: SysRoot) -> Support:
@@ -267,6 +285,9 @@ class ThrottleCounters(_Cached):
 
     def read(self, root: SysRoot, now: float) -> dict[str, Any]:
         c: Counters = self._paths(root)
+        online = len(root.online_cpus())
+        if online != c.online:             # hotplug: a CPU's counters came or went
+            self.found = c = self.discover(root)
         totals = {"core": 0, "package": 0}
         failed: dict[str, str] = {}
         for kind, paths in (("core", c.core), ("package", c.package)):
@@ -287,6 +308,16 @@ class ThrottleCounters(_Cached):
         if c.package:
             out["throttle_package_count"] = totals["package"]
         out[THROTTLE_COUNT] = totals["core"] + totals["package"]
+        out[ONLINE_CPUS] = online
+        times = []
+        for path in c.times:
+            try:
+                times.append(read_int(path))
+            except (OSError, ValueError):
+                times = []      # a maximum missing a CPU is no maximum
+                break
+        if times:
+            out[THROTTLE_MS] = max(times)
         return out
 
 
@@ -351,7 +382,30 @@ class MsrThermStatus(_Cached):
             # A CPU we could not read might be the one throttling: no all-clear from a part.
             return {UNAVAILABLE: missing, **({"throttle_active": True} if active else {}),
                     **({"prochot_active": True} if prochot else {})}
-        return {"throttle_active": active, "prochot_active": prochot, "throttle_logged": logged}
+        out = {"throttle_active": active, "prochot_active": prochot, "throttle_logged": logged}
+        out.update(self._limits(cpus["package"]))
+        return out
+
+    @staticmethod
+    def _limits(packages: list[tuple[int, Any]]) -> dict[str, Any]:
+        """Limit reasons and the TCC activation point, where those MSRs read (optional)."""
+        out: dict[str, Any] = {}
+        reasons = 0
+        for _cpu, read_msr in packages:
+            try:
+                reasons |= read_msr(MSR_CORE_PERF_LIMIT_REASONS) & 0xFFFF
+                out[LIMIT_REASONS] = reasons
+            except OSError:
+                pass
+        if packages:
+            try:
+                target = packages[0][1](MSR_TEMPERATURE_TARGET)
+            except OSError:
+                return out
+            if (target >> 16) & 0xFF:
+                out[TJ_MAX_C] = (target >> 16) & 0xFF
+                out[TCC_OFFSET_C] = (target >> 24) & 0x3F
+        return out
 
 
 # -- cpufreq -------------------------------------------------------------------------------------
@@ -396,6 +450,40 @@ class CpufreqMhz(_Cached):
         return {CPU_MHZ: mhz, "cpu_mhz_avg": round(sum(mhz) / len(mhz), 1)}
 
 
+class CpufreqLimits(_Cached):
+    name = "cpufreq_limits"
+    summary = "cpufreq range and ceiling (cpuinfo_{max,min}_freq, scaling_max_freq)"
+    priority = 75
+
+    def discover(self, root: SysRoot) -> list[str]:
+        return [root.display(f"{CPU_DIR}/cpu{cpu}/cpufreq/scaling_max_freq")
+                for cpu in root.online_cpus()
+                if root.exists(f"{CPU_DIR}/cpu{cpu}/cpufreq/scaling_max_freq")]
+
+    def probe(self, root: SysRoot) -> Support:
+        found = self.discover(root)
+        if not found:
+            return Support(False, f"no cpufreq/scaling_max_freq under {root.display(CPU_DIR)} "
+                                  "(no cpufreq driver, e.g. in a VM)")
+        return Support(True, f"{len(found)} CPUs")
+
+    def read(self, root: SysRoot, now: float) -> dict[str, Any]:
+        paths = self._paths(root)
+        if not paths:
+            raise Unavailable("no CPU has cpufreq/scaling_max_freq")
+        first = f"{CPU_DIR}/cpu{(root.online_cpus() or [0])[0]}/cpufreq"
+        try:
+            ceiling = min(read_int(p) for p in paths)
+            top, bottom = root.read_fixed(f"{first}/cpuinfo_max_freq"), \
+                root.read_fixed(f"{first}/cpuinfo_min_freq")
+            out = {CEILING_MHZ: ceiling / 1000.0, CPU_MAX_MHZ: int(top) / 1000.0,
+                   CPU_MIN_MHZ: int(bottom) / 1000.0}
+        except (OSError, ValueError) as exc:
+            self.found = None
+            raise Unavailable(f"cpufreq limits: {exc}") from None
+        return out
+
+
 @hookimpl
 def register_telemetry_sources(register: Any) -> None:
     register(ThermalZones())
@@ -403,3 +491,4 @@ def register_telemetry_sources(register: Any) -> None:
     register(ThrottleCounters())
     register(MsrThermStatus())
     register(CpufreqMhz())
+    register(CpufreqLimits())

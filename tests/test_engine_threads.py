@@ -3,7 +3,8 @@
 While a job runs, the engine holds ``engine_profile`` (``throughput`` here), and the active
 profile's ``[engine] threads`` wins while it is active. Reloading a ``throughput`` that asks for
 one thread, in the middle of a job, switches that job to one thread before its next token.
-Throttle mitigation's ``engine_threads`` rung caps the same count (``EngineHost.effective_threads``).
+A controller's cap on the same count combines with it in ``EngineHost.effective_threads``
+(tests/test_thread_owner.py).
 """
 
 from __future__ import annotations

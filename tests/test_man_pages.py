@@ -40,3 +40,11 @@ def test_the_unit_documents_pages_that_exist() -> None:
 def test_the_config_page_names_every_key() -> None:
     text = render("dsr1d.conf.5")
     assert [k for k in DAEMON_SCHEMA if k not in text] == []
+
+
+def test_every_mitigation_setting_is_in_the_profiles_page() -> None:
+    from dsr1d.core.efficiency import settings
+
+    text = render("dsr1d-profiles.5")
+    for name, *_rest in settings():
+        assert re.search(rf"^\s*{name}\b", text, re.M), name

@@ -1,4 +1,4 @@
-"""Throttle detection and the mitigation ladder (dsr1d.core.mitigation), alone and against the plant.
+"""Throttle detection and the mitigation ladder (dsr1d.sim.ladder), alone and against the plant.
 
 Simulated time only: nothing here sleeps or measures the wall clock.
 """
@@ -9,7 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from dsr1d.core.mitigation import RUNGS, Action, Controller, MitigationConfig, Sample
+from dsr1d.core.efficiency import Action
+from dsr1d.sim.ladder import RUNGS, Controller, MitigationConfig, Sample
 from dsr1d.sim.plant import Plant
 from dsr1d.sim.sim import XEON_SUSTAINED, simulate, summarize
 

@@ -1,10 +1,12 @@
 """The real daemon on a private bus against a fake root driven by the thermal plant simulator.
 
-The test runs the simulated Xeon in real time, with a heat sink of small heat capacity so that
-it reaches PROCHOT in seconds rather than two minutes (energy counters and the wall clock then
-agree, so RAPL watts are true), and writes its state where a real machine shows it; the daemon's
-own sampler, controller and tunables do the rest. Asserted: ThrottleStateChanged arrives, the PL1 knob in the fake root
-is capped, ``Mitigations`` says so, and SIGTERM restores PL1 like any other knob.
+The plant runs in real time in a thread: it reads its controls (``scaling_max_freq``, PL1, …)
+from the files the daemon writes and writes its state where a real machine shows it, plus its
+decode tokens/s, which the `plant_tokens` test plugin reports as the engine's. The daemon's own
+sampler, controller and tunables do the rest, with a profile whose ``[mitigation]`` timings are
+scaled to seconds. Asserted: the frequency ceiling reaches every CPU's file, ``Mitigations`` and
+``ThrottleStateChanged`` say so, SIGTERM and SIGKILL + ``dsr1d restore`` put every knob back, and a
+ceiling the machine refuses is given up once for a PL1 cap that never rises above the firmware's.
 """
 
 from __future__ import annotations
@@ -17,24 +19,47 @@ from pathlib import Path
 import pytest
 
 pytest.register_assert_rewrite("daemon_fixtures")
+from conftest import TESTS, run_dsr1d  # noqa: E402
 from daemon_fixtures import eventually, prop  # noqa: E402
-from dsr1d.sim.plant import Plant, apply_controls, read_controls
-from dsr1d.sim.sim import XEON_SUSTAINED
+from dsr1d.sim.plant import Plant, PlantParams, apply_controls, read_controls
+from dsr1d.sim.scenarios import MEMORY_KNEE, STEP_TCC
 from fakeroot import intel_box
 
 pytest_plugins = ["daemon_fixtures"]
+CPUS = 4
 PL1 = "sys/class/powercap/intel-rapl:0/constraint_0_power_limit_uw"
+PROFILE = """[main]
+include = sustained
+[mitigation]
+steady_s = 2
+dwell_s = 2
+settle_s = 0.6
+release_idle_s = 5
+"""
+ENV = {"DSR1D_PLUGINS": "plant_tokens", "PYTHONPATH": str(TESTS)}
+
+
+def ceiling_files(root: Path) -> list[Path]:
+    return [root / f"sys/devices/system/cpu/cpu{n}/cpufreq/scaling_max_freq" for n in range(CPUS)]
 
 
 class PlantDriver:
     """Steps the plant in a thread: controls from the files, state into the files."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, params: PlantParams) -> None:
         self.root = root
-        self.plant = Plant(replace(XEON_SUSTAINED, c_sink_j_per_k=15.0))
+        self.plant = Plant(replace(params, cores=CPUS, c_eff_nf=params.c_eff_nf * 8,
+                                   c_sink_j_per_k=15.0, c_die_j_per_k=2.0))
         self.stop = threading.Event()
-        self.plant.write_fake_root(root)
+        self.write()
         self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def write(self) -> None:
+        self.plant.write_fake_root(self.root)
+        tokens = self.plant.last.get("tokens_per_s", self.plant.tokens_per_s(self.plant.freq_ghz))
+        (self.root / "sim").mkdir(exist_ok=True)
+        (self.root / "sim/.tokens").write_text(f"{tokens:.4f}\n")
+        (self.root / "sim/.tokens").replace(self.root / "sim/tokens_per_s")
 
     def _run(self) -> None:
         last = time.monotonic()
@@ -43,7 +68,7 @@ class PlantDriver:
             apply_controls(self.plant, read_controls(self.root))
             self.plant.step(now - last)
             last = now
-            self.plant.write_fake_root(self.root)
+            self.write()
 
     def __enter__(self) -> "PlantDriver":
         self.thread.start()
@@ -56,58 +81,81 @@ class PlantDriver:
 
 @pytest.fixture
 def sim_root(tmp_path: Path) -> Path:
-    fake = intel_box(tmp_path / "root", cpus=XEON_SUSTAINED.cores)  # the plant writes them all
+    fake = intel_box(tmp_path / "root", cpus=CPUS)
+    for cpu in range(CPUS):     # TjMax 105 °C, no TCC offset: where the plant's TCC steps in
+        fake.add_msr(cpu, 0x1A2, 105 << 16).add_msr(cpu, 0x19C, 0).add_msr(cpu, 0x1B1, 0)
+    (fake.path / "etc/dsr1d/profiles").mkdir(parents=True)
+    (fake.path / "etc/dsr1d/profiles/fastsim.conf").write_text(PROFILE)
     return fake.path
 
 
 @pytest.fixture
 def sim_config(tmp_path: Path) -> Path:
     path = tmp_path / "sim.conf"
-    path.write_text("[daemon]\ndefault_profile = sustained\ntelemetry_interval_s = 0.2\n")
+    path.write_text("[daemon]\ndefault_profile = fastsim\ntelemetry_interval_s = 0.2\n")
     return path
 
 
-def test_throttling_is_detected_and_mitigated_then_restored(start_daemon, bus, client,
-                                                           sim_root, sim_config):
-    original_pl1 = (sim_root / PL1).read_text().strip()
-    driver = PlantDriver(sim_root)
+def test_the_ceiling_is_applied_shown_and_restored_by_sigterm(start_daemon, bus, client,
+                                                              sim_root, sim_config):
+    original = [int(f.read_text()) for f in ceiling_files(sim_root)]
+    driver = PlantDriver(sim_root, MEMORY_KNEE)
     watcher = client()
     watcher.subscribe("type='signal',interface='org.dsr1d.Manager1',member='ThrottleStateChanged'")
-    daemon = start_daemon(root=sim_root, config_path=sim_config, notify=False)
+    daemon = start_daemon(root=sim_root, config_path=sim_config, notify=False, env=ENV)
     with driver:
-        states = eventually(lambda: watcher.received("ThrottleStateChanged"), timeout=90,
+        eventually(lambda: all(int(f.read_text()) < 3_000_000 for f in ceiling_files(sim_root)),
+                   timeout=60, what="a frequency ceiling on every CPU (memory-bound decode)")
+        states = eventually(lambda: watcher.received("ThrottleStateChanged"), timeout=30,
                             what="ThrottleStateChanged")
         state, evidence = states[0].body
-        assert state in ("throttling", "mitigating")
-        assert evidence, "the state change carries its evidence"
-        capped = eventually(lambda: (sim_root / PL1).read_text().strip() != original_pl1,
-                            timeout=60, what="the PL1 cap in the fake root")
-        assert capped
+        assert state in ("learning", "efficient", "mitigating") and evidence
+        assert evidence["limit_temp_c"].value == 105.0     # TjMax from MSR 0x1A2
         mitigations = eventually(lambda: prop(bus, "Mitigations"), timeout=30,
                                  what="Mitigations")
-        assert any(m.startswith("rapl_pl1") for m in mitigations), mitigations
-        assert prop(bus, "ThrottleState") in ("throttling", "mitigating", "recovering")
-        assert "mitigation apply rapl_pl1" in daemon.log()
+        assert any(m.startswith("freq_ceiling") and m.endswith("MHz") for m in mitigations)
+        assert "mitigation apply freq_ceiling" in daemon.log()
+        eventually(lambda: (driver.plant.controls.ceiling_ghz or 9) < 3.8, timeout=10,
+                   what="the plant under the ceiling it reads from the files")
     assert daemon.stop() == 0
-    assert (sim_root / PL1).read_text().strip() == original_pl1
+    assert [int(f.read_text()) for f in ceiling_files(sim_root)] == original
     assert not (sim_root / "run/dsr1d/state.json").exists()
 
 
-def test_a_refused_mitigation_write_is_logged_once_and_the_ladder_goes_on(
-        start_daemon, bus, client, sim_root, sim_config):
-    # PL1 that cannot be written (a directory where the file should be): rung 1 is refused.
-    (sim_root / PL1).unlink()
-    (sim_root / PL1).mkdir()
-    no_turbo = sim_root / "sys/devices/system/cpu/intel_pstate/no_turbo"
-    driver = PlantDriver(sim_root)
-    daemon = start_daemon(root=sim_root, config_path=sim_config, notify=False)
+def test_sigkill_leaves_the_ceiling_journaled_and_restore_puts_it_back(
+        start_daemon, bus, sim_root, sim_config):
+    original = [int(f.read_text()) for f in ceiling_files(sim_root)]
+    driver = PlantDriver(sim_root, MEMORY_KNEE)      # its files before the daemon probes
+    daemon = start_daemon(root=sim_root, config_path=sim_config, notify=False, env=ENV)
     with driver:
-        eventually(lambda: no_turbo.read_text().strip() == "1", timeout=90,
-                   what="the next rung (turbo off) after the refused PL1 cap")
-        assert daemon.log().count("refused by the machine") == 1
-        mitigations = prop(bus, "Mitigations")
-        assert "no_turbo" in mitigations
-        assert not any(m.startswith("rapl_pl1") for m in mitigations)
+        eventually(lambda: all(int(f.read_text()) < 3_000_000 for f in ceiling_files(sim_root)),
+                   timeout=60, what="a frequency ceiling on every CPU")
+        daemon.kill()
+    assert (sim_root / "run/dsr1d/state.json").exists()
+    restored = run_dsr1d("restore", "--root", str(sim_root))
+    assert restored.returncode == 0, restored.stderr
+    assert [int(f.read_text()) for f in ceiling_files(sim_root)] == original
+    assert not (sim_root / "run/dsr1d/state.json").exists()
+
+
+def test_a_refused_ceiling_is_given_up_once_for_a_pl1_cap_below_the_firmwares(
+        start_daemon, bus, sim_root, sim_config):
+    firmware = int((sim_root / PL1).read_text())
+    driver = PlantDriver(sim_root, STEP_TCC)
+    refusing = {**ENV, "DSR1D_PLUGINS": "plant_tokens,refuse_ceiling"}   # EBUSY on the ceiling
+    daemon = start_daemon(root=sim_root, config_path=sim_config, notify=False, env=refusing)
+    seen: list[int] = []
+    with driver:
+        def capped() -> bool:
+            seen.append(int((sim_root / PL1).read_text()))
+            return seen[-1] < firmware
+        eventually(capped, timeout=90, what="a PL1 cap after the refused ceiling")
+        assert daemon.log().count("freq_ceiling refused by the machine") == 1
+        mitigations = eventually(lambda: prop(bus, "Mitigations"), timeout=30,
+                                 what="Mitigations")
+        assert any(m.startswith("rapl_pl1") for m in mitigations), mitigations
+        assert not any(m.startswith("freq_ceiling") for m in mitigations)
         assert daemon.running()
+    assert max(seen) <= firmware
     assert daemon.stop() == 0
-    assert no_turbo.read_text().strip() == "0"
+    assert int((sim_root / PL1).read_text()) == firmware

@@ -102,7 +102,7 @@ def test_sustained_includes_throughput(store: ProfileStore) -> None:
     assert sustained["engine"] == throughput["engine"]
     assert sustained["epb"] == {"epb": "balance-performance", "epp": "balance_performance"}
     assert sustained["cstate"] == {"max_latency_us": 20, "disable_deeper_than_us": 20}
-    assert sustained["mitigation"] == {"enabled": True, "target_temp_c": 90}
+    assert sustained["mitigation"] == {"enabled": True, "delta_percent": 2.0, "limit_margin_c": 3.0}
     assert store.load("sustained").summary.startswith("sustained throughput")
 
 
@@ -298,7 +298,9 @@ def test_unknown_key_in_main(store: ProfileStore, user_dir: Path) -> None:
     ("prefetcher", "l2_streamer", "maybe", "'maybe' is not a boolean"),
     ("cstate", "governor", "fast", "'fast' is not one of"),
     ("engine", "threads", "many", "'many' is not an integer"),
-    ("mitigation", "target_temp_c", "200", "200 is outside 40..110"),
+    ("mitigation", "limit_temp_c", "200", "200 is outside 0..125"),
+    ("mitigation", "delta_percent", "nan", "nan is outside 0..50"),
+    ("mitigation", "probe_bins", "2.5", "'2.5' is not an integer"),
 ])
 def test_bad_values(store: ProfileStore, user_dir: Path, section: str, key: str, value: str,
                     fragment: str) -> None:

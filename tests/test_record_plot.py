@@ -61,12 +61,40 @@ def test_plot_a_simulation_run(dsr1d, tmp_path):
     proc = ctl("plot", str(data), str(out))
     assert proc.returncode == 0, proc.stderr
     assert_sensible_png(out)
-    # The 200 s run throttles once near 121 s and applies the PL1 rung; plot saw it.
+    # The 200 s run sets a frequency ceiling once decode has been steady for 30 s (then only
+    # moves it: one change of what is active); plot saw it.
     assert "200 samples (simulation), 1 mitigation change(s)" in proc.stdout, proc.stdout
     tl = read_timeline(data)
     assert set(tl.columns) >= {"temp", "mhz", "power", "tokens"}
-    assert [(kind, rung) for _, kind, rung in tl.changes()] == [("apply", "rapl_pl1")]
-    assert 115 <= tl.changes()[0][0] <= 130
+    assert [(kind, rung) for _, kind, rung in tl.changes()] == [("apply", "freq_ceiling")]
+    assert 30 <= tl.changes()[0][0] <= 50
+
+
+def test_plot_against_a_baseline_as_svg_with_limits_and_a_summary(dsr1d, tmp_path):
+    pytest.importorskip("matplotlib")
+    ours, stock = tmp_path / "dsr1d.csv", tmp_path / "stock.csv"
+    dsr1d("simulate", "--seconds", "200", "--csv", str(ours), check=True)
+    dsr1d("simulate", "--seconds", "200", "--policy", "stock", "--csv", str(stock), check=True)
+    out = tmp_path / "compare.svg"
+    proc = ctl("plot", str(ours), "--baseline", str(stock), str(out))
+    assert proc.returncode == 0, proc.stderr
+    svg = out.read_text()
+    assert svg.startswith("<?xml") and "<svg" in svg
+    for text in ("frequency ceiling", "thermal limit 105", "baseline stock.csv", "this run:",
+                 "J/token", "PL1 limit"):
+        assert text in svg, text
+    from dsr1d.client.plot import summary
+    s_ours, s_stock = summary(read_timeline(ours)), summary(read_timeline(stock))
+    assert s_ours["joules_per_token"] < s_stock["joules_per_token"]
+    assert s_stock["peak_temp_c"] > s_ours["peak_temp_c"]
+
+
+def test_plot_refuses_a_format_it_cannot_name(tmp_path):
+    data = tmp_path / "sim.csv"
+    data.write_text("time_s,pkg_temp_c\n1,50\n")
+    proc = ctl("plot", str(data), str(tmp_path / "out.jpg"))
+    assert proc.returncode == 2 and ".png, .svg, .pdf" in proc.stderr
+    assert not (tmp_path / "out.jpg").exists()
 
 
 def test_plot_a_recorded_csv_with_steps_applied_and_released(tmp_path):

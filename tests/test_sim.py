@@ -142,9 +142,12 @@ def test_simulate_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     out = tmp_path / "run.csv"
     assert simulate_main(["--seconds", "180", "--csv", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "apply rapl_pl1" in text and "sustained" in text
+    # the daemon's controller on the default plant: a ceiling before the package gets hot
+    assert "apply freq_ceiling" in text and "step-tcc under dsr1d" in text
     rows = list(csv.DictReader(out.open()))
-    assert len(rows) == 180 and rows[-1]["active"] == "rapl_pl1"
+    assert len(rows) == 180 and rows[-1]["active"] == "freq_ceiling"
+    assert all(float(r["ceiling_mhz"]) == 3800 for r in rows[:39])
+    assert float(rows[-1]["ceiling_mhz"]) < 3500
     assert simulate_main(["--seconds", "5", "--no-mitigate"]) == 0
     root = tmp_path / "root"
     assert simulate_main(["--seconds", "20", "--fake-root", str(root)]) == 0
@@ -168,24 +171,24 @@ def test_dsr1d_simulate_command_writes_a_csv(tmp_path):
 
 
 def test_profile_mitigation_section_builds_a_controller_config(tmp_path):
-    """The [mitigation] keys a profile may set reach the controller's configuration."""
+    """Every [mitigation] key a profile sets reaches the controller's configuration, typed."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
     from fakeroot import intel_box
 
     from dsr1d.core.context import build_core
-    from dsr1d.core.mitigation import MitigationConfig
+    from dsr1d.core.efficiency import EfficiencyConfig
 
     fake = intel_box(tmp_path / "root", cpus=1)
     (fake.path / "etc/dsr1d/profiles").mkdir(parents=True)
     (fake.path / "etc/dsr1d/profiles/cool.conf").write_text(
-        "[main]\ninclude = sustained\n[mitigation]\nladder = no_turbo, rapl_pl1\n"
-        "release_after_s = 60\nrelease_margin_c = 8\n")
+        "[main]\ninclude = sustained\n[mitigation]\ndelta_percent = 5\nprobe_bins = 3\n"
+        "pl1 = no\nlimit_temp_c = 92.5\n")
     section = build_core(fake.path).store.load("cool").sections["mitigation"]
-    config = MitigationConfig.from_section(section)
-    assert config.ladder == ("no_turbo", "rapl_pl1")
-    assert (config.release_after_s, config.release_margin_c, config.target_temp_c) == (60, 8, 90)
+    config = EfficiencyConfig.from_section(section)
+    assert (config.delta_percent, config.probe_bins, config.pl1, config.limit_temp_c,
+            config.limit_margin_c) == (5.0, 3, False, 92.5, 3.0)
 
 
 @pytest.mark.parametrize("args, why", [

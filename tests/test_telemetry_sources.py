@@ -25,7 +25,7 @@ from dsr1d.contract.hookspecs import hookimpl
 from dsr1d.core.plugin_manager import collect_tunables, make_manager
 from dsr1d.plugins.procstat import ProcStat
 from dsr1d.plugins.rapl import CVE_NOTE, Rapl
-from dsr1d.plugins.thermal import CpufreqMhz, Hwmon, MsrThermStatus, ThermalZones, \
+from dsr1d.plugins.thermal import CpufreqLimits, CpufreqMhz, Hwmon, MsrThermStatus, ThermalZones, \
     ThrottleCounters
 from dsr1d.contract.sysroot import SysRoot
 from dsr1d.contract.telemetry import Unavailable
@@ -326,6 +326,14 @@ def test_rapl_watts_from_energy_deltas(rapl_root: FakeRoot) -> None:
         "rapl_package_0_dram_w": 3.0, "rapl_package_1_w": 25.0, "pkg_power_w": 55.0}
 
 
+def test_rapl_reads_package_0s_pl1_back(rapl_root: FakeRoot) -> None:
+    rapl_root.write("sys/class/powercap/intel-rapl:0/constraint_0_power_limit_uw", "180500000\n")
+    root = SysRoot(rapl_root.path)
+    rapl = Rapl()
+    rapl.start(root)
+    assert rapl.read(root, 100.0) == {"pl1_w": 180.5}       # before any watts: a limit is a read
+
+
 def test_rapl_counter_wraps_at_max_energy_range(tmp_path: Path) -> None:
     fake = add_rapl(FakeRoot(tmp_path / "root"), "intel-rapl:0", "package-0",
                     energy_uj=990_000_000, max_uj=1_000_000_000)
@@ -501,7 +509,7 @@ def test_throttle_counters_count_each_core_and_package_once(hot_box: FakeRoot) -
     assert throttle.probe(root) == Support(True, "2 cores, 1 packages")
     throttle.start(root)
     assert throttle.read(root, 0) == {"throttle_core_count": 12, "throttle_package_count": 11,
-                                      "throttle_count": 23}
+                                      "throttle_count": 23, "online_cpus": 4}
     (hot_box.path / CPU / "cpu1/thermal_throttle/core_throttle_count").unlink()
     with pytest.raises(Unavailable, match="vanished"):
         throttle.read(root, 1)                  # a partial sum would look like a decrease
@@ -529,6 +537,38 @@ def test_msr_thermal_status_bits(hot_box: FakeRoot) -> None:
     write_msr(hot_box, 1, 0x19C, 0x88450007)        # core 1: throttling, logged, PROCHOT
     assert src.read(root, 1) == {"throttle_active": True, "prochot_active": True,
                                  "throttle_logged": True}
+    # where they read: what limits the clock (0x64F) and where TCC steps in (0x1A2)
+    write_msr(hot_box, 0, 0x64F, 0x0402)            # thermal + PL1
+    write_msr(hot_box, 0, 0x1A2, (5 << 24) | (100 << 16))
+    got = src.read(root, 2)
+    assert (got["limit_reasons"], got["tj_max_c"], got["tcc_offset_c"]) == (0x0402, 100, 5)
+
+
+def test_throttle_time_and_a_cpu_coming_online_rediscovers(hot_box: FakeRoot) -> None:
+    root = SysRoot(hot_box.path)
+    for cpu, ms in ((0, 120), (1, 340)):
+        hot_box.write(f"{CPU}/cpu{cpu}/thermal_throttle/core_throttle_total_time_ms", f"{ms}\n")
+    throttle = ThrottleCounters()
+    throttle.start(root)
+    assert throttle.read(root, 0)["throttle_ms"] == 340        # the most throttled core
+    add_cpu(hot_box, 4, 2, core_count=5000, pkg_count=11, cur_khz=2_400_000)
+    hot_box.write(f"{CPU}/online", "0-4\n")                   # boot-time counts come with it
+    got = throttle.read(root, 1)
+    assert got["online_cpus"] == 5 and got["throttle_core_count"] == 5012
+
+
+def test_cpufreq_limits_give_the_range_and_the_lowest_ceiling(hot_box: FakeRoot) -> None:
+    root = SysRoot(hot_box.path)
+    for cpu in range(4):
+        hot_box.write(f"{CPU}/cpu{cpu}/cpufreq/cpuinfo_max_freq", "3800000\n")
+        hot_box.write(f"{CPU}/cpu{cpu}/cpufreq/cpuinfo_min_freq", "800000\n")
+        hot_box.write(f"{CPU}/cpu{cpu}/cpufreq/scaling_max_freq",
+                      "2800000\n" if cpu == 2 else "3800000\n")
+    src = CpufreqLimits()
+    assert src.probe(root).supported
+    src.start(root)
+    assert src.read(root, 0) == {"ceiling_mhz": 2800.0, "cpu_max_mhz": 3800.0,
+                                 "cpu_min_mhz": 800.0}
 
 
 def test_msr_thermal_status_is_intel_only(tmp_path: Path) -> None:
@@ -655,7 +695,8 @@ def test_builtin_sources_and_unchanged_tunables() -> None:
     assert list(collect_tunables(pm)) == ["cpufreq", "cstate", "epb", "prefetcher", "rapl", "thp",
                                          "turbo"]
     assert list(collect_sources(pm)) == ["turbostat", "rapl", "hwmon", "thermal_zones",
-                                         "throttle", "msr_throttle", "cpufreq", "procstat"]
+                                         "throttle", "msr_throttle", "cpufreq",
+                                         "cpufreq_limits", "procstat"]
 
 
 def test_register_telemetry_sources_from_a_third_party_plugin(

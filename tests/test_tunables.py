@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 
 from dsr1d.core.context import build_core
 from dsr1d.core.profiles import Profile
-from fakeroot import CPU, THP, FakeRoot, intel_box
+from fakeroot import CPU, THP, FakeRoot
 
 
 def profile(**sections: dict) -> Profile:

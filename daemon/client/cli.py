@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from dbus_fast import BusType, Message, MessageFlag, MessageType, Variant
@@ -392,7 +393,7 @@ async def cmd_plot(client: Client | None, args: argparse.Namespace) -> int:
     from dsr1d.client.plot import PlotError, plot_file
 
     try:
-        tl = plot_file(args.file, args.out, args.title)
+        tl = plot_file(args.file, args.out, args.title, args.baseline)
     except PlotError as exc:
         print(f"dsr1ctl: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -455,10 +456,12 @@ def parser() -> argparse.ArgumentParser:
     record.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
     record.add_argument("file", metavar="FILE")
     plot = sub.add_parser("plot", help="draw a CSV of record or `dsr1d simulate --csv` as a "
-                                       "PNG timeline (needs no daemon)")
+                                       "timeline (.png, .svg or .pdf; needs no daemon)")
     plot.add_argument("file", metavar="FILE")
-    plot.add_argument("out", metavar="OUT.png")
+    plot.add_argument("out", metavar="OUT", help="the figure; its suffix names the format")
     plot.add_argument("--title", help="instead of one made from the file")
+    plot.add_argument("--baseline", type=Path, metavar="B.csv",
+                      help="another run drawn beneath (e.g. dsr1d simulate --policy stock)")
     return top
 
 

@@ -1,5 +1,5 @@
 """Timelines of a run: the CSV ``dsr1ctl record`` writes, read back with the one
-``dsr1d simulate --csv`` writes, and drawn as a PNG by ``dsr1ctl plot``.
+``dsr1d simulate --csv`` writes, and drawn by ``dsr1ctl plot`` (PNG, SVG or PDF).
 
 The record CSV has one row per sample: ``time_s`` (seconds since the recording started),
 ``active_profile``, ``throttle_state``, ``mitigations`` (the active rungs joined with ``+``),
@@ -34,7 +34,11 @@ SERIES: dict[str, tuple[tuple[str, ...], str]] = {
 }
 PANELS = (("temp", "temperature (°C)"), ("mhz", "frequency (MHz)"), ("power", "power (W)"),
           ("tokens", "tokens/s"))
-EXTRA = {"sink": "sink_temp_c", "pl1": "pl1_w", "throttle_count": "throttle_count"}
+EXTRA = {"sink": "sink_temp_c", "pl1": "pl1_w", "throttle_count": "throttle_count",
+         "ceiling": "ceiling_mhz", "limit": "limit_temp_c", "tj_max": "tj_max_c",
+         "tcc_offset": "tcc_offset_c"}
+FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
+WARMUP_S = 60.0
 NO_STATE = ("", "none", "n/a")
 
 
@@ -267,7 +271,8 @@ def read_timeline(path: Path) -> Timeline:
 
 RUNG_COLORS = ("tab:orange", "tab:purple", "tab:green", "tab:brown", "tab:pink", "tab:olive",
                "tab:cyan", "tab:gray")
-STATE_COLORS = {"throttling": "tab:red", "mitigating": "gold", "recovering": "tab:green"}
+STATE_COLORS = {"throttling": "tab:red", "mitigating": "gold", "recovering": "tab:green",
+                "learning": "tab:purple", "efficient": "tab:cyan"}
 MAX_LABELS = 16
 
 
@@ -295,8 +300,60 @@ def default_title(tl: Timeline) -> str:
     return "dsr1d timeline: " + ", ".join(parts)
 
 
-def draw(tl: Timeline, out: Path, title: str | None = None) -> None:
-    """Write the PNG. PlotError (exit 1) without matplotlib or when OUT cannot be written."""
+def _finite(values: list[float]) -> list[float]:
+    return [v for v in values if not math.isnan(v)]
+
+
+def summary(tl: Timeline) -> dict[str, float | None]:
+    """Sustained tok/s (mean after the first minute, or over all of a shorter run), J/token
+    (package energy over tokens, both integrated over the same samples) and peak temperature."""
+    t = tl.time
+    start = t[0] + WARMUP_S if t[-1] - t[0] > 2 * WARMUP_S else t[0]
+    tokens = energy = span = 0.0
+    have_power = "power" in tl.series
+    for i in range(1, len(t)):
+        if t[i] <= start:
+            continue
+        dt = t[i] - t[i - 1]
+        tok = tl.series.get("tokens", [math.nan] * len(t))[i]
+        watts = tl.series["power"][i] if have_power else math.nan
+        if math.isnan(tok):
+            continue
+        tokens += tok * dt
+        span += dt
+        if not math.isnan(watts):
+            energy += watts * dt
+        else:
+            have_power = False
+    temps = _finite(tl.series.get("temp", []))
+    return {"tokens_per_s": tokens / span if span else None,
+            "joules_per_token": energy / tokens if tokens and have_power else None,
+            "peak_temp_c": max(temps) if temps else None}
+
+
+def _summary_text(tl: Timeline, label: str) -> str:
+    s = summary(tl)
+    parts = [f"{s['tokens_per_s']:.2f} tok/s" if s["tokens_per_s"] is not None else "tok/s -",
+             f"{s['joules_per_token']:.2f} J/token" if s["joules_per_token"] is not None
+             else "J/token -",
+             f"peak {s['peak_temp_c']:.1f} °C" if s["peak_temp_c"] is not None else "peak -"]
+    return f"{label}: " + ", ".join(parts)
+
+
+def _limit_c(tl: Timeline) -> float | None:
+    """The thermal limit the run reports: the simulator's, or TjMax minus the TCC offset."""
+    if "limit" in tl.series and _finite(tl.series["limit"]):
+        return _finite(tl.series["limit"])[-1]
+    if "tj_max" in tl.series and _finite(tl.series["tj_max"]):
+        offset = _finite(tl.series.get("tcc_offset", [])) or [0.0]
+        return _finite(tl.series["tj_max"])[-1] - offset[-1]
+    return None
+
+
+def draw(tl: Timeline, out: Path, title: str | None = None,
+         baseline: Timeline | None = None) -> None:
+    """Write the figure, in the format OUT's suffix names (.png, .svg, .pdf). PlotError (exit
+    1) without matplotlib or when OUT cannot be written; a ``baseline`` run is drawn beneath."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -331,6 +388,17 @@ def draw(tl: Timeline, out: Path, title: str | None = None) -> None:
         else:
             ax.plot(t, values, color="tab:blue", lw=1.4, label=tl.columns[key],
                     marker="." if len(t) <= 60 else None)  # a lone sample still shows
+        if baseline is not None and key in baseline.series:
+            ax.plot(baseline.time, baseline.series[key], color="gray", lw=1, alpha=0.8,
+                    label=f"baseline {baseline.path.name}")
+        if key == "tokens":
+            ax.set_ylim(bottom=0)
+        if key == "mhz" and "ceiling" in tl.series:
+            ax.plot(t, tl.series["ceiling"], color="tab:red", lw=1, ls=":",
+                    drawstyle="steps-post", label="frequency ceiling")
+        if key == "temp" and _limit_c(tl) is not None:
+            ax.axhline(_limit_c(tl), color="tab:red", lw=1, ls="--",
+                       label=f"thermal limit {_limit_c(tl):.0f} °C (TjMax - offset)")
         if key == "temp" and "sink" in tl.series:
             ax.plot(t, tl.series["sink"], color="gray", lw=1, ls="--", label="heat sink")
         if key == "power" and "pl1" in tl.series:
@@ -341,13 +409,15 @@ def draw(tl: Timeline, out: Path, title: str | None = None) -> None:
             if top is not None:  # keep a far-away limit (the 350 W default) from flattening W
                 ax.set_ylim(0, max(top, min(v for v in tl.series["pl1"] if not math.isnan(v)))
                             * 1.12)
-        if key == "temp" and "throttle_count" in tl.series and values is not None:
+        if key == "temp" and "throttle_count" in tl.series and _finite(tl.series["throttle_count"]):
             counts = tl.series["throttle_count"]
-            ev = [i for i in range(1, len(t)) if not math.isnan(counts[i])
-                  and not math.isnan(counts[i - 1]) and counts[i] > counts[i - 1]]
-            if ev:
-                ax.scatter([t[i] for i in ev], [values[i] for i in ev], marker="v",
-                           color="tab:red", zorder=5, label="throttle event")
+            first = _finite(counts)[0]
+            if max(_finite(counts)) > first:    # one line, not a marker per event
+                twin = ax.twinx()
+                twin.plot(t, [c - first for c in counts], color="tab:red", lw=1,
+                          drawstyle="steps-post", alpha=0.7)
+                twin.set_ylabel("throttle events (cumulative)", color="tab:red", fontsize=8)
+                twin.set_ylim(bottom=0)
         for rung, intervals in spans.items():
             for start, end in intervals:
                 ax.axvspan(start, end, color=colors[rung], alpha=0.12, lw=0)
@@ -392,6 +462,11 @@ def draw(tl: Timeline, out: Path, title: str | None = None) -> None:
                         Line2D([], [], color="black", lw=1, ls="--", label="released")]
             ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.005, 0.5),
                       fontsize=8)
+    box = [_summary_text(tl, "this run")]
+    if baseline is not None:
+        box.append(_summary_text(baseline, "baseline"))
+    axes[0].text(0.01, 0.97, "\n".join(box), transform=axes[0].transAxes, va="top", ha="left",
+                 fontsize=8, bbox={"boxstyle": "round", "fc": "white", "alpha": 0.85})
     axes[-1].set_xlabel("time (s)")
     axes[-1].set_xlim(t[0], t[-1] if t[-1] > t[0] else t[0] + 1)
     fig.suptitle(title or default_title(tl))
@@ -399,7 +474,7 @@ def draw(tl: Timeline, out: Path, title: str | None = None) -> None:
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
     try:
-        fig.savefig(tmp, format="png")
+        fig.savefig(tmp, format=output_format(out))
         os.replace(tmp, out)
     except OSError as exc:
         try:
@@ -409,8 +484,20 @@ def draw(tl: Timeline, out: Path, title: str | None = None) -> None:
         raise PlotError(f"cannot write {out}: {exc.strerror or exc}", exit_code=1) from None
 
 
-def plot_file(csv_path: Path, out: Path, title: str | None = None) -> Timeline:
-    """Read ``csv_path`` and draw it to ``out``; PlotError with the reason and exit status."""
+def output_format(out: Path) -> str:
+    """The figure format OUT's suffix names; PlotError (exit 2) for any other."""
+    fmt = FORMATS.get(Path(out).suffix.lower())
+    if fmt is None:
+        raise PlotError(f"{out}: the format comes from the file name: "
+                        f"{', '.join(FORMATS)}")
+    return fmt
+
+
+def plot_file(csv_path: Path, out: Path, title: str | None = None,
+              baseline: Path | None = None) -> Timeline:
+    """Read ``csv_path`` (and ``baseline``) and draw it to ``out``; PlotError with the reason
+    and exit status."""
+    output_format(out)
     tl = read_timeline(csv_path)
-    draw(tl, out, title)
+    draw(tl, out, title, read_timeline(baseline) if baseline is not None else None)
     return tl

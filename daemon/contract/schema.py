@@ -54,6 +54,21 @@ _TRUE = {"1", "yes", "true", "on"}
 _FALSE = {"0", "no", "false", "off"}
 
 
+def real(lo: float, hi: float) -> Parser:
+    """A finite number in ``[lo, hi]``."""
+
+    def parse(raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{raw!r} is not a number") from None
+        if not lo <= value <= hi:      # also false for nan
+            raise ValueError(f"{value:g} is outside {lo:g}..{hi:g}")
+        return value
+
+    return parse
+
+
 def boolean(raw: str) -> bool:
     """yes/no, true/false, on/off or 1/0."""
     low = raw.lower()

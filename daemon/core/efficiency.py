@@ -39,7 +39,8 @@ is ``P_set = P_base + (P - P_base) (T_set - T_base) / (T_ss - T_base)`` (``T_bas
 the idle package before decode), and the frequency for it comes from ``P ~ p0 + k f^2.5``. Hardware
 throttle evidence (throttle time rising, thermal limit-reason bits) lowers the ceiling one bin at
 once: the guard was late. The guard is relaxed a bin at a time while the temperature predicted
-one bin up (the heat over the idle package scaled by ``(f'/f)^2.5``) stays under the set point. The ceiling applied is
+one bin up (the heat over the idle package scaled by ``(f'/f)^2.5``) stays under the set point,
+at most one bin per ``horizon_s / 2``. The ceiling applied is
 ``min(f_energy, f_thermal)``, in whole bins of ``step_mhz``.
 
 Counters that jump when a CPU comes online (its boot-time throttle counts) are rebased, not read
@@ -53,12 +54,21 @@ from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from dsr1d.core.mitigation import Action
 
 STATES = ("none", "learning", "efficient", "mitigating", "throttling", "recovering")
 RUNGS = ("freq_ceiling", "rapl_pl1")
 POWER_EXPONENT = 2.5            # dynamic power ~ V(f)^2 f with V rising with f
 DEFAULT_LIMIT_C = 95.0
+
+
+@dataclass(frozen=True)
+class Action:
+    """One decision: ``apply`` (or re-apply with new params) or ``release`` a rung, and why."""
+
+    kind: str            # "apply" | "release"
+    rung: str            # "freq_ceiling" | "rapl_pl1" (the ladder: its own rung names)
+    reason: str          # one line, with the evidence numbers
+    params: dict = field(default_factory=dict)
 
 
 def _setting(default: Any, help: str, lo: float | None = None, hi: float | None = None,
@@ -217,9 +227,19 @@ class EfficiencyController:
         self._energy_mhz: float | None = None
         self._probing = False
         self._fitted = False
-        self._pl1_refused = False
+        self._refused: set[str] = set()          # actuators the machine would not take
 
     # -- the step ----------------------------------------------------------------------------
+
+    def refuse(self, rung: str) -> None:
+        """The machine refused ``rung``'s write: forget it was applied, never use it again."""
+        self._refused.add(rung)
+        if rung in self.active:
+            self.active.remove(rung)
+        self.params.pop(rung, None)
+        if rung == "freq_ceiling":
+            self._energy_mhz = self._thermal_mhz = None
+            self._probing = False
 
     def step(self, o: Observation) -> list[Action]:
         """Take one sample; return the actions to apply now (possibly none)."""
@@ -286,7 +306,7 @@ class EfficiencyController:
                 del self._temps[:-600]
         if o.time_s - self._steady_since < cfg.steady_s:
             return []
-        if not o.max_mhz:                      # no frequency ceiling to set: PL1 only
+        if not o.max_mhz or "freq_ceiling" in self._refused:   # no ceiling to set: PL1 only
             return self._pl1_guard(o, throttled)
         if throttled and o.busy_mhz is not None and o.time_s - self._changed_s >= 1.0:
             self._thermal_mhz = self._bin_down(min(o.busy_mhz, self._applied_mhz(o)) -
@@ -381,9 +401,13 @@ class EfficiencyController:
 
     def predict(self, o: Observation) -> tuple[float, float] | None:
         """(T_ss, t_hit) from the first-order fit since the last change, or None."""
-        temps = [t for s, t in self._temps if s > self._changed_s]
-        if len(temps) < 8 or o.pkg_temp_c is None:
+        recent = [(s, t) for s, t in self._temps if s > self._changed_s]
+        if len(recent) < 8 or o.pkg_temp_c is None:
             return None
+        period = (recent[-1][0] - recent[0][0]) / (len(recent) - 1)   # seconds per sample
+        if period <= 0:
+            return None
+        temps = [t for _, t in recent]
         xs, ys = temps[:-1], temps[1:]
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         sxx = sum((x - mx) ** 2 for x in xs)
@@ -391,12 +415,12 @@ class EfficiencyController:
             return o.pkg_temp_c, math.inf
         alpha = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
         if not 0.0 < alpha < 0.9999:
-            slope = (temps[-1] - temps[0]) / (len(temps) - 1)
+            slope = (temps[-1] - temps[0]) / (recent[-1][0] - recent[0][0])   # °C per second
             return None if slope <= 0 else (math.inf, max(0.0, (self._set_c(o) - o.pkg_temp_c)
                                                            / slope))
         c = my - alpha * mx
         t_ss = c / (1 - alpha)
-        tau = -1.0 / math.log(alpha)
+        tau = -period / math.log(alpha)
         t_set = self._set_c(o)
         if o.pkg_temp_c >= t_set:
             return t_ss, 0.0
@@ -425,7 +449,10 @@ class EfficiencyController:
             self._thermal_mhz = want
             return (f"thermal: {want:.0f} MHz, the package would reach {t_set:.1f} °C in "
                     f"{t_hit:.0f} s (settling at {t_ss:.1f} °C, {o.pkg_power_w:.0f} W)")
-        if self._thermal_mhz is not None and math.isfinite(t_ss):
+        # relax slowly: the heat sink answers over minutes, a fit since the last change
+        # sees mostly the die, so a quick relax would undo what the sink needs
+        if self._thermal_mhz is not None and math.isfinite(t_ss) and \
+                o.time_s - self._changed_s >= cfg.horizon_s / 2:
             base_t = self._base[0] if self._base else min(t for _, t in self._temps) - 5.0
             up = self._thermal_mhz + cfg.step_mhz
             t_up = base_t + (t_ss - base_t) * (up / max(1.0, o.busy_mhz)) ** POWER_EXPONENT
@@ -475,12 +502,12 @@ class EfficiencyController:
         if written is not None and o.pl1_w is not None and abs(o.pl1_w - written) > 1.0 and \
                 o.time_s - self._changed_s >= 1.0:
             # read back: the firmware ignores PL1 writes; stop using it (no limit cycle)
-            self._pl1_refused = True
+            self._refused.add("rapl_pl1")
             self.active.remove("rapl_pl1")
             self.params.pop("rapl_pl1")
             return [Action("release", "rapl_pl1", f"PL1 reads back {o.pl1_w:.0f} W, not the "
                            f"{written:.0f} W written: the firmware ignores it")]
-        if self._pl1_refused:
+        if "rapl_pl1" in self._refused:
             return []
         got = self.predict(o)
         if not throttled and (got is None or got[1] >= cfg.horizon_s):

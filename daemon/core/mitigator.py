@@ -1,9 +1,10 @@
-"""The daemon's side of throttle mitigation: telemetry samples in, overlays and threads out.
+"""The daemon's side of throttle mitigation: telemetry samples in, overlays out.
 
-`dsr1d.core.mitigation.Controller` decides (pure); this module turns each sample dict into a
-`Sample`, and each `Action` into a Manager overlay (journaled like any profile write, so stop
-and crash recovery undo it) or an engine thread change, and reports the state and the active
-rungs. A rung whose write the machine refuses is logged once and dropped, never retried blindly.
+`dsr1d.core.efficiency.EfficiencyController` decides (pure); this module turns each sample dict
+into an `Observation`, and each `Action` into a Manager overlay (journaled like any profile
+write, so stop and crash recovery undo it), and reports the state and the active actuators. An
+actuator whose write the machine refuses is logged once and given up, never retried blindly;
+the controller then uses the other one.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from dsr1d.constants import (BUSY_MHZ, CPU_MHZ, ENGINE_TOKENS_PER_S, PKG_POWER_W, PKG_TEMP_C,
-                             THROTTLE_COUNT)
+from dsr1d.constants import (BUSY_MHZ, CEILING_MHZ, CPU_MAX_MHZ, CPU_MHZ, CPU_MIN_MHZ,
+                             ENGINE_TOKENS_PER_S, LIMIT_REASONS, ONLINE_CPUS, PKG_POWER_W,
+                             PKG_TEMP_C, PL1_W, TCC_OFFSET_C, THROTTLE_COUNT, THROTTLE_MS,
+                             TJ_MAX_C)
+from dsr1d.core.efficiency import Action, EfficiencyConfig, EfficiencyController, Observation
 from dsr1d.core.manager import Manager
-from dsr1d.core.mitigation import Action, Controller, MitigationConfig, Sample
 from dsr1d.core.tuning import ApplyFailed, TuningError
 
 log = logging.getLogger("dsr1d")
@@ -23,71 +26,79 @@ StateListener = Callable[[str, dict[str, Any]], None]
 ChangeListener = Callable[[list[str]], None]
 
 
-def to_sample(values: dict[str, Any], start: float) -> Sample:
+def to_observation(values: dict[str, Any], start: float, threads: int | None = None,
+                   pl1_firmware_w: float | None = None) -> Observation:
     """The controller's view of one telemetry sample (missing values stay None)."""
     mhz = values.get(BUSY_MHZ)
     if mhz is None and values.get(CPU_MHZ):
         mhz = sum(values[CPU_MHZ]) / len(values[CPU_MHZ])
-    return Sample(time_s=float(values.get("time_unix_s", start)) - start,
-                  pkg_temp_c=values.get(PKG_TEMP_C), busy_mhz=mhz,
-                  pkg_power_w=values.get(PKG_POWER_W),
-                  throttle_count=values.get(THROTTLE_COUNT),
-                  tokens_per_s=values.get(ENGINE_TOKENS_PER_S))
+    limit = None
+    if values.get(TJ_MAX_C) is not None:
+        limit = float(values[TJ_MAX_C]) - float(values.get(TCC_OFFSET_C) or 0)
+    return Observation(
+        time_s=float(values.get("time_unix_s", start)) - start,
+        tokens_per_s=values.get(ENGINE_TOKENS_PER_S), busy_mhz=mhz,
+        pkg_power_w=values.get(PKG_POWER_W), pkg_temp_c=values.get(PKG_TEMP_C),
+        throttle_count=values.get(THROTTLE_COUNT), throttle_ms=values.get(THROTTLE_MS),
+        limit_reasons=values.get(LIMIT_REASONS), online_cpus=values.get(ONLINE_CPUS),
+        threads=threads, limit_temp_c=limit, ceiling_mhz=values.get(CEILING_MHZ),
+        max_mhz=values.get(CPU_MAX_MHZ), min_mhz=values.get(CPU_MIN_MHZ),
+        pl1_w=values.get(PL1_W), pl1_firmware_w=pl1_firmware_w)
 
 
 def overlay_for(action: Action) -> dict[str, dict] | None:
-    """The profile sections a rung lays over the active profile (None: not a knob rung)."""
+    """The profile sections an apply lays over the active profile (None: not a knob)."""
+    if action.rung == "freq_ceiling":
+        return {"cpufreq": {"max_mhz": int(round(action.params["mhz"]))}}
     if action.rung == "rapl_pl1":
         # Within the [rapl] schema's range: a wild power reading must not become a wild knob.
         return {"rapl": {"pl1_w": min(2000, max(1, int(round(action.params["pl1_w"]))))}}
-    if action.rung == "no_turbo":
-        return {"turbo": {"enabled": False}}
-    if action.rung == "epb_balance":
-        return {"epb": {"epb": int(action.params.get("epb", 6))}}
     return None
 
 
 class Mitigator:
     """Runs the controller on every sample and applies what it decides."""
 
-    def __init__(self, manager: Manager, set_threads: Callable[[int | None], Any] | None = None,
-                 threads: Callable[[], int] | None = None) -> None:
+    def __init__(self, manager: Manager, threads: Callable[[], int] | None = None) -> None:
         self.manager = manager
-        self.set_threads = set_threads
         self.threads = threads
-        self.controller: Controller | None = None
+        self.controller: EfficiencyController | None = None
         self.state = "none"
         self.evidence: dict[str, Any] = {}
         self.start: float | None = None
-        self.refused: set[str] = set()
-        self.threads_before: int | None = None
+        self.pl1_firmware_w: float | None = None
         self.state_listeners: list[StateListener] = []
         self.change_listeners: list[ChangeListener] = []
 
     @property
     def active(self) -> list[str]:
-        """Active rungs, with their parameters, for the ``Mitigations`` property."""
+        """Active actuators, with their values, for the ``Mitigations`` property."""
         if self.controller is None:
             return []
         return [_describe(rung, self.controller.params.get(rung, {}))
-                for rung in self.controller.active if rung not in self.refused]
+                for rung in self.controller.active]
 
     def configure(self, section: dict[str, Any]) -> None:
         """(Re)build the controller from a profile's ``[mitigation]`` section."""
-        config = MitigationConfig.from_section(section)
+        config = EfficiencyConfig.from_section(section)
         if self.controller is not None and self.controller.config == config:
             return
-        self.controller = Controller(config) if config.enabled else None
-        if self.controller is None:
-            self._lift_all("mitigation disabled by the profile")
+        self._lift_all("mitigation reconfigured by the profile")
+        self.controller = EfficiencyController(config) if config.enabled else None
 
     def on_sample(self, values: dict[str, Any]) -> None:
         if self.controller is None:
             return
         if self.start is None:
             self.start = float(values.get("time_unix_s", 0.0))
+        if "rapl_pl1" not in self.controller.active and values.get(PL1_W) is not None:
+            # the limit before this controller lowered it: never raised above
+            self.pl1_firmware_w = float(values[PL1_W])
         before = list(self.active)
-        for action in self.controller.step(to_sample(values, self.start)):
+        observation = to_observation(values, self.start,
+                                     self.threads() if self.threads else None,
+                                     self.pl1_firmware_w)
+        for action in self.controller.step(observation):
             self._act(action)
         if self.controller.state != self.state:
             self.state = self.controller.state
@@ -100,34 +111,15 @@ class Mitigator:
             self._changed(["Mitigations"])
 
     def _act(self, action: Action) -> None:
-        if action.rung in self.refused:
-            return
+        assert self.controller is not None
         log.info("mitigation %s %s: %s", action.kind, action.rung, action.reason)
-        if action.rung == "engine_threads":
-            self._threads(action)
-            return
         overlay = overlay_for(action) if action.kind == "apply" else None
         try:
             self.manager.set_overlay(action.rung, overlay, f"mitigation {action.kind} "
                                      f"{action.rung}: {action.reason}")
         except (ApplyFailed, TuningError) as exc:
-            self.refused.add(action.rung)
-            log.error("mitigation rung %s refused by the machine, not retried: %s",
-                      action.rung, exc)
-
-    def _threads(self, action: Action) -> None:
-        if self.set_threads is None or self.threads is None:
-            return
-        # The rung is a cap on the engine's threads, combined with the profile's count in
-        # EngineHost.effective_threads: a profile change cannot undo it behind its back.
-        if action.kind == "apply":
-            current = self.threads()
-            if self.threads_before is None:
-                self.threads_before = current
-            self.set_threads(max(1, current + int(action.params.get("threads_delta", -1))))
-        elif self.threads_before is not None:
-            self.set_threads(None)
-            self.threads_before = None
+            self.controller.refuse(action.rung)
+            log.error("mitigation %s refused by the machine, not retried: %s", action.rung, exc)
 
     def _lift_all(self, reason: str) -> None:
         for rung in list(self.manager.overlays):
@@ -142,8 +134,8 @@ class Mitigator:
 
 
 def _describe(rung: str, params: dict[str, Any]) -> str:
+    if rung == "freq_ceiling" and "mhz" in params:
+        return f"freq_ceiling {params['mhz']:.0f} MHz"
     if rung == "rapl_pl1" and "pl1_w" in params:
         return f"rapl_pl1 {params['pl1_w']:.0f} W"
-    if rung == "epb_balance" and "epb" in params:
-        return f"epb_balance {params['epb']}"
     return rung

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from dsr1d.constants import ENGINE_BACKENDS, ENGINE_DTYPES
-from dsr1d.contract.schema import Schema, boolean, choice, integer, option, word_list
+from dsr1d.contract.schema import Schema, boolean, choice, integer, option, real, word_list
+from dsr1d.core.efficiency import settings
 
 SUFFIX = ".conf"
 MAX_FILE_BYTES = 1 << 20
@@ -36,15 +37,22 @@ ENGINE_SCHEMA: Schema = {
     "backend": option(choice(*ENGINE_BACKENDS),
                       "auto (llama.cpp where installed), llamacpp or torch", "name"),
 }
-MITIGATION_SCHEMA: Schema = {
-    "enabled": option(boolean, "mitigate thermal throttling automatically", "bool"),
-    "target_temp_c": option(integer(40, 110), "package temperature to hold under", "°C"),
-    "ladder": option(word_list, "mitigation rungs in order (rapl_pl1 no_turbo epb_balance "
-                     "engine_threads); released in reverse", "names"),
-    "release_after_s": option(integer(1, 3600), "evidence clear this long before a rung is "
-                              "released (hysteresis)", "s"),
-    "release_margin_c": option(integer(1, 30), "and the package this far under the target", "°C"),
-}
+
+
+def _mitigation_schema() -> Schema:
+    """``[mitigation]``: one key per `EfficiencyConfig` setting, typed and described there."""
+    schema: Schema = {}
+    for name, kind, _default, help, lo, hi, unit in settings():
+        if kind == "bool":
+            schema[name] = option(boolean, help, "bool")
+        elif kind == "int":
+            schema[name] = option(integer(int(lo), int(hi)), help, unit or "count")
+        else:
+            schema[name] = option(real(lo, hi), help, unit or "number")
+    return schema
+
+
+MITIGATION_SCHEMA = _mitigation_schema()
 RESERVED_SCHEMAS = {"engine": ENGINE_SCHEMA, "mitigation": MITIGATION_SCHEMA}
 
 

@@ -250,7 +250,9 @@ class EngineHost:
         await self._apply_threads()
 
     async def set_thread_cap(self, cap: int | None) -> None:
-        """The mitigation controller's ceiling on threads (None: no ceiling)."""
+        """A controller's ceiling on threads (None: no ceiling). The tokens-per-joule controller
+        acts on frequency and PL1 today; a threads actuator would set its cap here, the one
+        place the profile's count and a cap combine."""
         self.thread_cap = cap
         await self._apply_threads()
 

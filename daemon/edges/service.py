@@ -222,12 +222,7 @@ class Daemon:
 
     def _make_mitigator(self, manager: Manager) -> Mitigator:
         engine = self.engine
-        mitigator = Mitigator(
-            manager,
-            set_threads=(lambda n: asyncio.get_running_loop().create_task(
-                engine.set_thread_cap(n)))
-            if engine else None,
-            threads=(lambda: engine.threads) if engine else None)
+        mitigator = Mitigator(manager, threads=(lambda: engine.threads) if engine else None)
 
         def configure(old: str = "", new: str = "", reason: str = "") -> None:
             section = manager.profiles[manager.active].sections.get("mitigation", {})

@@ -355,6 +355,7 @@ class Plant:
             "threads": n,
             "load": c.load,
             "ambient_c": amb,
+            "limit_temp_c": p.t_limit_c,
         }
         return dict(self.last)
 

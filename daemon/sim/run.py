@@ -1,7 +1,7 @@
 """Policies on a plant, the figures of a run, the best fixed ceiling (the oracle) and the ensemble.
 
 Policies: ``stock`` (nothing), ``ceiling:MHZ`` (a fixed frequency ceiling from the start),
-``ladder`` (the previous rung controller, `dsr1d.core.mitigation.Controller`) and ``dsr1d``
+``ladder`` (the previous rung controller, `dsr1d.sim.ladder.Controller`) and ``dsr1d``
 (`dsr1d.core.efficiency.EfficiencyController`). Each sees only what software on the machine can
 see (`Plant.observed`) and acts through the plant's controls.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from dsr1d.core.efficiency import EfficiencyConfig, EfficiencyController, Observation
-from dsr1d.core.mitigation import Action, Controller, Sample
+from dsr1d.core.efficiency import Action, EfficiencyConfig, EfficiencyController, Observation
+from dsr1d.sim.ladder import Controller, Sample
 from dsr1d.sim.plant import Plant
 from dsr1d.sim.scenarios import Scenario
 

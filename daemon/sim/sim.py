@@ -1,5 +1,5 @@
 """``dsr1d simulate``: plants, policies and the ensemble on the command line, and the run loop
-that drives a `dsr1d.core.mitigation.Controller` (the rung ladder) directly.
+that drives a `dsr1d.sim.ladder.Controller` (the rung ladder) directly.
 
 The plant is `dsr1d.sim.plant`, the named plants and the ensemble `dsr1d.sim.scenarios`, the
 policies, figures and the oracle `dsr1d.sim.run`. ``XEON_SUSTAINED`` is the ``floor-prochot``
@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from dsr1d.core.efficiency import EfficiencyConfig
-from dsr1d.core.mitigation import Action, Controller, MitigationConfig
+from dsr1d.core.efficiency import Action, EfficiencyConfig
+from dsr1d.sim.ladder import Controller
 from dsr1d.sim.plant import Plant, PlantParams, apply_controls, read_controls
 from dsr1d.sim.run import (ActionMapper, compare, figures, ladder_sample, policy, run,
                            summary)
@@ -61,15 +61,15 @@ def simulate(params: PlantParams = XEON_SUSTAINED, seconds: float = 600.0,
     return rows
 
 
-CSV_FIELDS = ("time_s", "pkg_temp_c", "sink_temp_c", "busy_mhz", "pkg_power_w", "throttle_count",
-              "tokens_per_s", "energy_j", "pl1_w", "ceiling_mhz", "no_turbo", "epb", "threads",
-              "state", "active", "actions")
+CSV_FIELDS = ("time_s", "pkg_temp_c", "sink_temp_c", "limit_temp_c", "busy_mhz", "pkg_power_w",
+              "throttle_count", "tokens_per_s", "energy_j", "pl1_w", "ceiling_mhz", "no_turbo",
+              "epb", "threads", "state", "active", "actions")
 
 
 def _csv_row(row: dict[str, Any]) -> dict[str, Any]:
     out = {k: row.get(k) for k in CSV_FIELDS}
-    for k in ("pkg_temp_c", "sink_temp_c", "busy_mhz", "pkg_power_w", "tokens_per_s",
-              "energy_j", "pl1_w", "ceiling_mhz"):
+    for k in ("pkg_temp_c", "sink_temp_c", "limit_temp_c", "busy_mhz", "pkg_power_w",
+              "tokens_per_s", "energy_j", "pl1_w", "ceiling_mhz"):
         out[k] = "" if row.get(k) is None else f"{row[k]:.3f}"
     out["active"] = " ".join(row.get("active", []))
     out["actions"] = " | ".join(f"{a.kind} {a.rung}: {a.reason}" for a in row.get("actions", []))
@@ -80,10 +80,11 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dsr1d simulate", description=(
         "Run the thermal plant simulator: one plant under one policy, the ensemble, or the "
         "plant behind a fake root for a real daemon."))
-    ap.add_argument("--plant", default=None, help="a named plant: " + ", ".join(plants()) +
-                    " (default floor-prochot with --policy ladder, the published case)")
+    ap.add_argument("--plant", default="step-tcc",
+                    help="a named plant: " + ", ".join(plants()) + " (step-tcc)")
     ap.add_argument("--policy", default=None,
-                    help="stock, dsr1d, ladder or ceiling:MHZ (default: ladder)")
+                    help="stock, dsr1d (the daemon's controller), ladder (the previous one) or "
+                         "ceiling:MHZ (default: dsr1d)")
     ap.add_argument("--ensemble", type=int, metavar="N",
                     help="run stock, dsr1d and the oracle on N plants; print their ratios")
     ap.add_argument("--seed", type=int, default=0, help="ensemble and bursty-load seed (0)")
@@ -94,7 +95,6 @@ def _parser() -> argparse.ArgumentParser:
                     help="dsr1d: tokens/s tolerance in percent (2)")
     ap.add_argument("--mitigate", action=argparse.BooleanOptionalAction, default=None,
                     help="--no-mitigate is --policy stock")
-    ap.add_argument("--target-temp", type=float, default=None, help="ladder: target °C")
     ap.add_argument("--csv", type=Path, help="write every sample to this CSV file")
     ap.add_argument("--fake-root", type=Path,
                     help="write the plant's state into this fake root each step and take its "
@@ -130,16 +130,14 @@ def simulate_main(argv: list[str] | None = None) -> int:
     if args.ensemble is not None:
         results = [compare(sc, args.seconds, config) for sc in ensemble(args.ensemble, args.seed)]
         return _print_ensemble(results, summary(results), args.json)
-    spec = args.policy or ("stock" if args.mitigate is False or args.fake_root else "ladder")
+    spec = args.policy or ("stock" if args.mitigate is False or args.fake_root else "dsr1d")
     if args.mitigate is False and args.policy not in (None, "stock"):
         ap.error("--no-mitigate and --policy disagree")
     try:
         pol = policy(spec, config)
     except ValueError as exc:
         ap.error(f"--policy: {exc}")
-    if spec == "ladder" and args.target_temp is not None:
-        pol.controller = Controller(MitigationConfig(target_temp_c=args.target_temp))
-    scenario = named[args.plant or "floor-prochot"]
+    scenario = named[args.plant]
     if args.fake_root is not None:
         rows = _behind_fake_root(scenario, args.fake_root, args.seconds, args.dt, args.realtime)
     else:

@@ -1,9 +1,8 @@
-"""Throttle detection and mitigation: a pure controller, samples in, actions out.
+"""The previous throttle controller, a rung ladder: kept as a policy to compare against.
 
-No I/O, no clock: time comes from the samples. The daemon feeds one `Sample` per telemetry period
-to `Controller.step` and applies the returned `Action`s as overlays on the active profile (an
-``apply`` of a rung that is already active updates its parameters; a ``release`` removes the
-overlay, restoring the profile's value), journaling and logging each with its reason.
+The daemon ran it until `dsr1d.core.efficiency` replaced it; ``dsr1d simulate --policy ladder``
+and ``bench/mitigation.py`` run it on the plants. Pure: samples in, `Action`s out, time from the
+samples (an ``apply`` of a rung already active updates its parameters; a ``release`` removes it).
 
 Detection (evidence of throttling; a missing field never counts, either way):
 
@@ -40,8 +39,10 @@ by one. A rung whose evidence is missing (no package power for ``rapl_pl1``) is 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
+
+from dsr1d.core.efficiency import Action
 
 RUNGS = ("rapl_pl1", "no_turbo", "epb_balance", "engine_threads")
 STATES = ("none", "throttling", "mitigating", "recovering")
@@ -128,14 +129,6 @@ class MitigationConfig:
             else:
                 kwargs[key] = float(value)
         return cls(**kwargs)
-
-
-@dataclass(frozen=True)
-class Action:
-    kind: str            # "apply" | "release"
-    rung: str            # ladder name
-    reason: str          # one line, with the evidence numbers
-    params: dict = field(default_factory=dict)
 
 
 def _fmt(value: float | None, unit: str, digits: int = 1) -> str:
