@@ -450,7 +450,7 @@ def gguf_encoder(path: Path) -> Callable[[str], list[int]]:
     from llama_cpp import Llama
 
     from dsr1d.engine.gguf_file import inspect_gguf
-    from dsr1d.engine.llama_backend import R1_FALLBACK, _compile
+    from dsr1d.engine.llama_backend import R1_GENERATION, R1_USER, _compile
 
     info = inspect_gguf(path)
     vocab = Llama(model_path=str(path), vocab_only=True, verbose=False)
@@ -460,7 +460,7 @@ def gguf_encoder(path: Path) -> Callable[[str], list[int]]:
     def encode(text: str) -> list[int]:
         chat = (template.render(messages=[{"role": "user", "content": text}],
                                 add_generation_prompt=True, bos_token=bos)
-                if template else R1_FALLBACK.format(bos=bos, prompt=text))
+                if template else bos + R1_USER.format(content=text) + R1_GENERATION)
         return vocab.tokenize(chat.encode(), add_bos=False, special=True)
     return encode
 

@@ -79,6 +79,35 @@ DAEMON_SCHEMA: Schema = {
 }
 
 
+def _host_port(raw: str) -> str:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6), or empty: off."""
+    if raw == "":
+        return raw
+    host, sep, port = raw.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{raw!r} is not HOST:PORT (e.g. 127.0.0.1:8080)")
+    return raw
+
+
+def _path_or_empty(raw: str) -> str:
+    return raw if raw == "" else _absolute(raw)
+
+
+API_SCHEMA: Schema = {
+    "socket": option(_path_or_empty, "the OpenAI-compatible API's unix socket, mode 0660, group "
+                     "dsr1d (default <root>/run/dsr1d/api.sock; empty: none)", "path"),
+    "tcp": option(_host_port, "also listen on HOST:PORT, every request with an API key "
+                  "(empty, the default: no TCP)", "host:port"),
+    "api_keys_file": option(_path_or_empty, "the API keys TCP callers send as `Authorization: "
+                            "Bearer KEY`, one a line, in a root-only file", "path"),
+    "queue": option(integer(0, 4096), "requests that may wait for the engine; more get 429",
+                    "count"),
+    "textfile": option(_path_or_empty, "also write the metrics to this .prom file (atomically, "
+                       "every telemetry sample) for node_exporter's textfile collector", "path"),
+}
+SECTIONS = {"daemon": DAEMON_SCHEMA, "api": API_SCHEMA}
+
+
 @dataclass
 class Config:
     """The daemon's settings, defaults filled in."""
@@ -99,6 +128,11 @@ class Config:
     engine_cpus: list[int] | None = None
     engine_profile: str = "sustained"
     engine_ping_timeout_s: float = 30.0
+    api_socket: str | None = None           # None: <root>/run/dsr1d/api.sock
+    api_tcp: str = ""
+    api_keys_file: str = ""
+    api_queue: int = 16
+    api_textfile: str = ""
 
 
 def load_config(path: Path | None) -> Config:
@@ -110,9 +144,13 @@ def load_config(path: Path | None) -> Config:
     sections = parse_ini(path)
     config = Config(path=path)
     for name, entries in sections.items():
-        if name != "daemon":
+        if name not in SECTIONS:
             raise ProfileError(path, section_line(path, name),
-                               f"unknown section [{name}] (known: daemon)")
-        for key, value in validate_section(name, entries, DAEMON_SCHEMA).items():
-            setattr(config, key, value)
+                               f"unknown section [{name}] (known: {', '.join(SECTIONS)})")
+        prefix = "" if name == "daemon" else f"{name}_"
+        for key, value in validate_section(name, entries, SECTIONS[name]).items():
+            setattr(config, key if key.startswith(prefix) else prefix + key, value)
+    if config.api_tcp and not config.api_keys_file:
+        raise ProfileError(path, section_line(path, "api"),
+                           "[api] tcp needs api_keys_file: no request over TCP goes unchecked")
     return config

@@ -168,6 +168,24 @@ class Authorizer:
         return bool(reply.body[0][0])
 
 
+    async def process_allowed(self, pid: int, uid: int, action: str) -> bool:
+        """Root, the group, or polkit's yes for a local process (the HTTP API's callers)."""
+        if uid == 0 or _in_group(uid, ADMIN_GROUP):
+            return True
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+            start = int(fields[19])             # starttime: field 22 of /proc/PID/stat
+        except (OSError, ValueError, IndexError):
+            return False                        # gone already: no one to authorise
+        subject = ["unix-process", {"pid": Variant("u", pid), "start-time": Variant("t", start),
+                                    "uid": Variant("i", uid)}]
+        reply = await self.bus.call(Message(
+            destination="org.freedesktop.PolicyKit1", path="/org/freedesktop/PolicyKit1/Authority",
+            interface="org.freedesktop.PolicyKit1.Authority", member="CheckAuthorization",
+            signature="(sa{sv})sa{ss}us", body=[subject, action, {}, 0, ""]))
+        return reply.message_type == MessageType.METHOD_RETURN and bool(reply.body[0][0])
+
+
 def _in_group(uid: int, group: str) -> bool:
     try:
         entry = grp.getgrnam(group)

@@ -103,7 +103,7 @@ class Job:
     caller's future."""
 
     id: int
-    prompt: str
+    prompt: str | list[dict[str, str]]     # one user turn, or a conversation
     options: dict[str, Any]
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     text: list[str] = field(default_factory=list)
@@ -141,6 +141,7 @@ class EngineHost:
         self.state = "stopped"
         self.info: dict[str, Any] = {}
         self.tokens_per_s = 0.0
+        self.tokens_seen = 0                 # every token of every job: a live decode rate
         self.jobs: dict[int, Job] = {}
         self._next_job = 1
         self._proc: asyncio.subprocess.Process | None = None
@@ -220,8 +221,9 @@ class EngineHost:
 
     # -- requests ----------------------------------------------------------------------------
 
-    async def submit(self, prompt: str, options: dict[str, Any]) -> Job:
-        """Queue a generation; tokens and the result arrive through the listeners."""
+    async def submit(self, prompt: str | list[dict[str, str]], options: dict[str, Any]) -> Job:
+        """Queue a generation of one user turn or a conversation (role/content dicts, the
+        last the user's); tokens and the result arrive through the listeners."""
         if self.state not in ("ready", "busy"):
             raise EngineUnavailable(f"the engine is {self.state}"
                                     + (f": {self.info['error']}" if "error" in self.info else ""))
@@ -234,7 +236,8 @@ class EngineHost:
             self._set_state("busy")
         return job
 
-    async def generate(self, prompt: str, options: dict[str, Any]) -> dict[str, Any]:
+    async def generate(self, prompt: str | list[dict[str, str]],
+                       options: dict[str, Any]) -> dict[str, Any]:
         """Generate and wait for the result (text, reasoning, answer, stats)."""
         job = await self.submit(prompt, options)
         return await job.done
@@ -356,6 +359,7 @@ class EngineHost:
             self._set_state("ready")
             self._changed(["Model", "Threads"])
         elif kind == "token":
+            self.tokens_seen += 1
             for listener in self.token_listeners:
                 _call(listener, event["job"], event["piece"])
         elif kind == "text":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from dataclasses import replace
@@ -21,8 +22,8 @@ from typing import Any, Callable
 from dsr1d.constants import BUS_NAME, ENGINE_TOKENS_PER_S
 from dsr1d.core.config import DEFAULT_PATH, Config, load_config
 from dsr1d.core.context import build_core
-from dsr1d.edges.dbus_api import (Dispatcher, EngineService, ManagerService, connect, neighbours,
-                                   take_name)
+from dsr1d.edges.dbus_api import (POLKIT_ACTIONS, Dispatcher, EngineService, ManagerService,
+                                   connect, neighbours, take_name)
 from dsr1d.core.manager import Manager
 from dsr1d.core.mitigator import Mitigator
 from dsr1d.core.plugin_manager import PluginError
@@ -30,7 +31,9 @@ from dsr1d.core.profiles import ProfileError, UnknownProfile
 from dsr1d.core.sampler import Sampler, collect_sources
 from dsr1d.core.state import JournalBusy, JournalError, OwnerLock
 from dsr1d.core.tuning import ApplyFailed, TuningError
+from dsr1d.edges.api import Api, ApiServer, read_keys
 from dsr1d.edges.engine_host import EngineHost
+from dsr1d.edges.metrics import Metrics
 from dsr1d.edges.notify import notify, setup_logging, watchdog_interval_s
 
 ENGINE_HOLDER = "dsr1d-engine"  # owner of the engine's hold (not a bus name: never "leaves")
@@ -58,6 +61,9 @@ class Daemon:
         self.manager: Manager | None = None
         self.engine: EngineHost | None = None
         self._sync_threads: Callable[[], None] = lambda: None
+        self._tokens_at: tuple[float, int] | None = None
+        self.api: ApiServer | None = None
+        self.metrics: Metrics | None = None
 
     async def run(self) -> int:
         try:
@@ -102,6 +108,7 @@ class Daemon:
         self.mitigator = self._make_mitigator(manager)
         manager_service.attach_mitigator(self.mitigator)
         manager.change_listeners.append(lambda names: notify(STATUS=manager.status_line()))
+        self.api = await self._start_api(config, manager, dispatcher)
         monitor = self._start_hotplug(manager)
         self._install_signals()
         notify(READY="1", STATUS=manager.status_line())
@@ -120,6 +127,8 @@ class Daemon:
             watchdog.cancel()
         if monitor:
             monitor.stop()
+        if self.api is not None:
+            await self.api.stop()
         if self.engine is not None:
             await self.engine.stop()
         failed = manager.stop()
@@ -196,6 +205,41 @@ class Daemon:
             await self.engine.stop()
             await self.engine.start()
 
+    async def _start_api(self, config: Config, manager: Manager,
+                         dispatcher: Dispatcher) -> ApiServer | None:
+        """The OpenAI-compatible API on its unix socket (and TCP with keys, when configured)."""
+        path = config.api_socket if config.api_socket is not None else \
+            os.path.join(config.root, "run/dsr1d/api.sock")
+        tcp = config.api_tcp
+        keys: set[str] = set()
+        if tcp:
+            try:
+                keys = read_keys(config.api_keys_file)
+            except (OSError, ValueError) as exc:
+                log.error("API over TCP stays off: %s", exc)
+                tcp = ""
+        if not path and not tcp:
+            return None
+
+        async def authorize(pid: int, uid: int) -> bool:
+            return await dispatcher.auth.process_allowed(pid, uid, POLKIT_ACTIONS["Generate"])
+
+        self.metrics = Metrics(status=lambda: self._status(manager))
+        server = ApiServer(Api(self.engine, authorize, self.metrics, keys, config.api_queue))
+        where = await server.start(path, tcp)
+        log.info("OpenAI-compatible API on %s", ", ".join(where) or "nothing (see above)")
+        return server
+
+    def _status(self, manager: Manager) -> dict[str, Any]:
+        """What the metrics show of the daemon, read at scrape time."""
+        engine, mitigator = self.engine, self.mitigator
+        return {"profile": manager.active, "holds": list(manager.holds),
+                "throttle_state": mitigator.state if mitigator else "none",
+                "mitigations": mitigator.active if mitigator else [],
+                "tokens_per_s": self.latest.get(ENGINE_TOKENS_PER_S, 0.0),
+                "decoding": engine is not None and engine.state == "busy",
+                "sample": self.latest}
+
     def telemetry(self) -> dict:
         """GetTelemetry: the latest sample (taken now if the sampler has not run yet)."""
         return self.latest or self._take_sample()
@@ -204,10 +248,20 @@ class Daemon:
         assert self.sampler is not None
         sample = self.sampler.sample()
         if self.engine is not None:
-            sample[ENGINE_TOKENS_PER_S] = self.engine.tokens_per_s
+            sample[ENGINE_TOKENS_PER_S] = self._live_rate()
             sample["engine_state"] = self.engine.state
         self.latest = sample
         return sample
+
+    def _live_rate(self) -> float:
+        """Tokens per second since the last sample, while the engine decodes (0 when idle: the
+        mitigation controller must not read the last job's rate as decode going on)."""
+        assert self.engine is not None
+        now, count = time.monotonic(), self.engine.tokens_seen
+        before, self._tokens_at = self._tokens_at, (now, count)
+        if before is None or self.engine.state != "busy" or now <= before[0]:
+            return 0.0
+        return (count - before[1]) / (now - before[0])
 
     async def _sample_loop(self, config: Config) -> None:
         """Sample every ``telemetry_interval_s`` and let the mitigator act on it."""
@@ -218,6 +272,11 @@ class Daemon:
                     self.mitigator.on_sample(sample)
                 except Exception:  # mitigation must never take the control plane down
                     log.exception("mitigation step failed")
+            if config.api_textfile and self.metrics is not None:
+                try:
+                    await asyncio.to_thread(self.metrics.write_textfile, config.api_textfile)
+                except OSError as exc:
+                    log.error("metrics textfile %s: %s", config.api_textfile, exc)
             await asyncio.sleep(config.telemetry_interval_s)
 
     def _make_mitigator(self, manager: Manager) -> Mitigator:

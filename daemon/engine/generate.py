@@ -10,7 +10,8 @@ from typing import Any, Callable
 import torch
 
 from dsr1d.engine.model import Loaded
-from dsr1d.engine.request import DEFAULTS, InvalidRequest, OnText, Result, check_budget, decode_stats
+from dsr1d.engine.request import (DEFAULTS, InvalidRequest, OnText, Prompt, Result, check_budget,
+                                  decode_stats, messages_of)
 from dsr1d.textstream import IncrementalDecoder, ThinkSplitter, emit
 
 __all__ = ["DEFAULTS", "Generator", "InvalidRequest", "Result"]
@@ -28,15 +29,15 @@ class Generator:
         self.stop_ids = {eos} if isinstance(eos, int) else set(eos or [])
         self.threads: int | None = None
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: Prompt) -> list[int]:
         """The prompt in the model's chat template, ending with the generation prompt."""
-        ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+        ids = self.tokenizer.apply_chat_template(messages_of(prompt),
                                                  add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
 
-    def generate(self, prompt: str, options: dict[str, Any], on_text: OnText | None = None,
+    def generate(self, prompt: Prompt, options: dict[str, Any], on_text: OnText | None = None,
                  cancelled: Callable[[], bool] = lambda: False,
                  threads: Callable[[], int | None] = lambda: None) -> Result:
         opts = {**DEFAULTS, **options}

@@ -22,13 +22,16 @@ from typing import Any, Callable
 
 from dsr1d.engine.errors import ModelError
 from dsr1d.engine.gguf_file import GGUFInfo
-from dsr1d.engine.request import DEFAULTS, OnText, Result, check_budget, decode_stats
+from dsr1d.engine.request import (DEFAULTS, OnText, Prompt, Result, check_budget, decode_stats,
+                                  messages_of)
 from dsr1d.textstream import IncrementalDecoder, ThinkSplitter, emit
 
 DEFAULT_CONTEXT = 16384
 MEMORY_HEADROOM = 0.9
-# When a file carries no chat template: DeepSeek-R1's, reduced to one user turn.
-R1_FALLBACK = "{bos}<｜User｜>{prompt}<｜Assistant｜><think>\n"
+# When a file carries no chat template: DeepSeek-R1's turns (no system prompt, as advised).
+R1_USER = "<｜User｜>{content}"
+R1_ASSISTANT = "<｜Assistant｜>{content}<｜end▁of▁sentence｜>"
+R1_GENERATION = "<｜Assistant｜><think>\n"
 
 
 def installed() -> bool:
@@ -104,13 +107,16 @@ class LlamaGenerator:
 
     # -- text <-> tokens ---------------------------------------------------------------------
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: Prompt) -> list[int]:
         """The prompt in the model's chat template, ending with the generation prompt."""
+        messages = messages_of(prompt)
         if self.template is None:
-            text = R1_FALLBACK.format(bos=self.bos_text, prompt=prompt)
+            turns = [(R1_ASSISTANT if m["role"] == "assistant" else R1_USER).format(**m)
+                     for m in messages if m["role"] != "system"]
+            text = self.bos_text + "".join(turns) + R1_GENERATION
         else:
-            text = self.template.render(messages=[{"role": "user", "content": prompt}],
-                                        add_generation_prompt=True, bos_token=self.bos_text)
+            text = self.template.render(messages=messages, add_generation_prompt=True,
+                                        bos_token=self.bos_text)
         return self.tokenize(text)
 
     def tokenize(self, text: str) -> list[int]:
@@ -134,7 +140,7 @@ class LlamaGenerator:
 
     # -- generation --------------------------------------------------------------------------
 
-    def generate(self, prompt: str, options: dict[str, Any], on_text: OnText | None = None,
+    def generate(self, prompt: Prompt, options: dict[str, Any], on_text: OnText | None = None,
                  cancelled: Callable[[], bool] = lambda: False,
                  threads: Callable[[], int | None] = lambda: None) -> Result:
         opts = {**DEFAULTS, **options}

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 # DeepSeek's guidance for R1: temperature 0.6, top-p 0.95, no system prompt.
 DEFAULTS = {"max_new_tokens": 512, "temperature": 0.6, "top_p": 0.95, "greedy": False,
             "seed": -1, "ignore_eos": False}
 
 OnText = Callable[[str], None]
+# A prompt is one user turn, or a conversation: [{"role": "user"|"assistant"|"system",
+# "content": "…"}, …] ending with the user's turn.
+Prompt = Union[str, list]
+
+
+def messages_of(prompt: Prompt) -> list[dict[str, str]]:
+    """The conversation a prompt stands for."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
 
 
 class InvalidRequest(Exception):

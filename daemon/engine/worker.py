@@ -6,7 +6,7 @@ file or a Hugging Face directory, served by llama.cpp (an HF directory converted
 cache) or by torch (``dsr1d.engine.backend`` has the rules). The protocol is JSON lines on the
 inherited socket ``N``, the same for both backends.
 
-Daemon -> worker: ``{"op": "generate", "job": 1, "prompt": "…", "options": {…}}``,
+Daemon -> worker: ``{"op": "generate", "job": 1, "prompt": "…" | [{"role", "content"}…], "options": {…}}``,
 ``{"op": "cancel", "job": 1}``, ``{"op": "threads", "n": 2}``, ``{"op": "ping"}``.
 
 Worker -> daemon: ``{"ev": "loading", "done": b, "total": b, "file": "…"}``,

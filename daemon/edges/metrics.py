@@ -1,0 +1,106 @@
+"""Prometheus metrics for ``GET /metrics`` and the node_exporter textfile collector.
+
+Names in node-exporter style, units in the name: ``dsr1d_requests_total{endpoint,code}``,
+``dsr1d_first_token_seconds`` and ``dsr1d_inter_token_seconds`` (histograms),
+``dsr1d_requests_active`` (running and queued), ``dsr1d_queue_depth``, ``dsr1d_slots_active``,
+``dsr1d_decode_tokens_per_second``, ``dsr1d_profile_info{profile}``, ``dsr1d_holds``,
+``dsr1d_throttle_state_info{state}``, ``dsr1d_mitigations_active``,
+``dsr1d_package_temperature_celsius``, ``dsr1d_package_power_watts`` and
+``dsr1d_energy_per_token_joules`` (package power over decode tokens/s, while decoding). Nothing
+of a request's text is ever a label.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, \
+    write_to_textfile
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from dsr1d.constants import PKG_POWER_W, PKG_TEMP_C
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+Status = Callable[[], dict[str, Any]]
+
+
+class _Live:
+    """Gauges read at scrape time from the daemon's state (``status()``)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        s = self.metrics.status()
+        active = self.metrics.active_requests
+        yield _gauge("dsr1d_requests_active", "generations running or queued", active)
+        yield _gauge("dsr1d_slots_active", "generations decoding now", min(active, 1))
+        yield _gauge("dsr1d_queue_depth", "generations waiting for the engine",
+                     max(0, active - 1))
+        rate = float(s.get("tokens_per_s") or 0.0)
+        yield _gauge("dsr1d_decode_tokens_per_second", "the engine's last decode rate", rate)
+        profile = GaugeMetricFamily("dsr1d_profile_info", "the active profile",
+                                    labels=["profile"])
+        profile.add_metric([str(s.get("profile", ""))], 1)
+        yield profile
+        yield _gauge("dsr1d_holds", "profile holds in force", len(s.get("holds", [])))
+        state = GaugeMetricFamily("dsr1d_throttle_state_info", "the mitigation controller's "
+                                  "state", labels=["state"])
+        state.add_metric([str(s.get("throttle_state", "none"))], 1)
+        yield state
+        yield _gauge("dsr1d_mitigations_active", "mitigation actuators applied",
+                     len(s.get("mitigations", [])))
+        sample = s.get("sample", {})
+        if sample.get(PKG_TEMP_C) is not None:
+            yield _gauge("dsr1d_package_temperature_celsius", "package temperature",
+                         float(sample[PKG_TEMP_C]))
+        if sample.get(PKG_POWER_W) is not None:
+            watts = float(sample[PKG_POWER_W])
+            yield _gauge("dsr1d_package_power_watts", "package power", watts)
+            if s.get("decoding") and rate > 0:
+                yield _gauge("dsr1d_energy_per_token_joules", "package energy per decoded "
+                             "token", watts / rate)
+
+
+def _gauge(name: str, help: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, help, value=value)
+
+
+class Metrics:
+    """Counters and histograms the API updates, and the live gauges."""
+
+    def __init__(self, status: Status = dict) -> None:
+        self.status = status
+        self.active_requests = 0
+        self.registry = CollectorRegistry()
+        self.requests = Counter("dsr1d_requests", "API requests by endpoint and status code",
+                                ["endpoint", "code"], registry=self.registry)
+        self.first = Histogram("dsr1d_first_token_seconds", "request to first token",
+                               buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.between = Histogram("dsr1d_inter_token_seconds", "time between tokens",
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_Live(self))
+
+    def request(self, endpoint: str, code: str) -> None:
+        known = endpoint if endpoint in ENDPOINTS else "other"   # no unbounded label values
+        self.requests.labels(known, code).inc()
+
+    def active(self, n: int) -> None:
+        self.active_requests = n
+
+    def first_token(self, seconds: float) -> None:
+        self.first.observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self.between.observe(seconds)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def write_textfile(self, path: str) -> None:
+        """For node_exporter's textfile collector: written whole, then renamed."""
+        write_to_textfile(path, self.registry)
+
+
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
