@@ -89,7 +89,11 @@ def test_models_and_health(client, sock: Path) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     code, text = curl(sock, "/health")
-    assert code == 200 and json.loads(text)["engine"] in ("ready", "busy")
+    health = json.loads(text)
+    assert code == 200 and health["engine"] in ("ready", "busy")
+    # the model's own defaults (its generation_config, carried into the GGUF by the converter)
+    assert health["sampling_defaults"] == {"temperature": pytest.approx(0.6),
+                                           "top_p": pytest.approx(0.95)}
 
 
 def test_chat_whole_and_streamed_give_the_same_greedy_text(client) -> None:
@@ -216,3 +220,54 @@ def test_an_unprivileged_uid_is_refused(sock: Path) -> None:
         os.chmod(sock, mode)
     assert code == 403 and "needs root, the dsr1d group or polkit" in text
     assert json.loads(text)["error"]["type"] == "permission_error"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tcp_takes_only_requests_with_a_key(gguf_model: Path, tmp_path: Path) -> None:
+    keys = tmp_path / "api-keys"
+    keys.write_text("# one a line\nsk-local-test\n")
+    keys.chmod(0o600)
+    port = _free_port()
+    with engine_daemon_running(tmp_path, gguf_model, backend="llamacpp",
+                               extra_config=["[api]", "socket =", f"tcp = 127.0.0.1:{port}",
+                                             f"api_keys_file = {keys}"]) as daemon:
+        daemon.wait_state("ready")
+        base = f"http://127.0.0.1:{port}"
+        eventually(lambda: _reachable(base), timeout=10, what="the API on TCP")
+        assert httpx.get(f"{base}/v1/models").status_code == 401
+        wrong = httpx.get(f"{base}/metrics", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        client = openai.OpenAI(api_key="sk-local-test", base_url=f"{base}/v1", max_retries=0)
+        reply = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
+                                               messages=[{"role": "user", "content": "hi"}])
+        assert reply.usage.completion_tokens >= 1
+        assert not (daemon.fake.path / "run/dsr1d/api.sock").exists()    # socket = (none)
+
+
+def test_a_keys_file_others_may_read_keeps_tcp_off(gguf_model: Path, tmp_path: Path) -> None:
+    keys = tmp_path / "api-keys"
+    keys.write_text("sk-local-test\n")
+    keys.chmod(0o644)
+    port = _free_port()
+    with engine_daemon_running(tmp_path, gguf_model, backend="llamacpp",
+                               extra_config=["[api]", f"tcp = 127.0.0.1:{port}",
+                                             f"api_keys_file = {keys}"]) as daemon:
+        eventually(lambda: "API over TCP stays off" in daemon.daemon.log(), timeout=20,
+                   what="the refusal in the log")
+        assert "mode 0600" in daemon.daemon.log()
+        assert not _reachable(f"http://127.0.0.1:{port}")
+
+
+def _reachable(base: str) -> bool:
+    try:
+        httpx.get(f"{base}/health", timeout=2)
+        return True
+    except httpx.TransportError:
+        return False

@@ -239,8 +239,10 @@ class Api:
         state = self.engine.state if self.engine is not None else "none"
         ok = state in ("ready", "busy")
         self.metrics.request("/health", "200" if ok else "503")
+        defaults = self.engine.info.get("sampling", {}) if self.engine is not None else {}
         return web.json_response({"status": "ok" if ok else "unavailable", "engine": state,
-                                  "model": self.model_id()}, status=200 if ok else 503)
+                                  "model": self.model_id(), "sampling_defaults": defaults},
+                                 status=200 if ok else 503)
 
     async def models(self, request: web.Request) -> web.Response:
         data = [] if self.engine is None else [{"id": self.model_id(), "object": "model",

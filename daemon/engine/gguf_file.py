@@ -17,7 +17,7 @@ import mmap
 import stat
 import struct
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,7 @@ class GGUFInfo:
     bos_id: int | None
     eos_id: int | None
     has_vocab: bool
+    sampling: dict = field(default_factory=dict)   # general.sampling.temp / top_p, as given
 
 
 @dataclass(frozen=True)
@@ -305,7 +306,9 @@ def _describe(path: Path, meta: dict[str, Any], tensors: list[_Tensor]) -> GGUFI
         head_count_kv=head_kv, head_dim=head_dim, vocab_size=vocab,
         chat_template=template if isinstance(template, str) else None,
         bos_id=_optional_int(meta, "tokenizer.ggml.bos_token_id"),
-        eos_id=_optional_int(meta, "tokenizer.ggml.eos_token_id"), has_vocab=has_vocab)
+        eos_id=_optional_int(meta, "tokenizer.ggml.eos_token_id"), has_vocab=has_vocab,
+        sampling={k: meta[g] for k, g in (("temperature", "general.sampling.temp"),
+                                          ("top_p", "general.sampling.top_p")) if g in meta})
 
 
 def _int_key(path: Path, meta: dict[str, Any], key: str) -> int:

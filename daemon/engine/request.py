@@ -22,6 +22,18 @@ def messages_of(prompt: Prompt) -> list[dict[str, str]]:
     return [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
 
 
+def model_sampling(values: dict[str, Any]) -> dict[str, float]:
+    """The model's own sampling defaults (``generation_config.json``'s ``temperature`` and
+    ``top_p``, or a GGUF's ``general.sampling.*``), where they are sane; they replace DeepSeek's
+    guidance in `DEFAULTS` for this model, and a request's options replace them."""
+    out: dict[str, float] = {}
+    for key, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 1e-6, 1.0)):
+        value = values.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi:
+            out[key] = float(value)
+    return out
+
+
 class InvalidRequest(Exception):
     """The request cannot be served as asked (too long, bad option)."""
 

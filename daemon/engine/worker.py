@@ -86,7 +86,8 @@ class Worker:
                 self.channel.send(ev="pong")
         self.jobs.put(None)  # the daemon went away: finish
 
-    def serve(self, generator: Any) -> None:
+    def serve(self, generator: Any, sampling: dict[str, float] | None = None) -> None:
+        """Generate each job in turn; the model's ``sampling`` defaults under its options."""
         from dsr1d.engine.request import InvalidRequest
 
         while (job := self.jobs.get()) is not None:
@@ -100,7 +101,8 @@ class Worker:
                 self.channel.send(ev="token", job=job_id, piece=piece)
 
             try:
-                result = generator.generate(job["prompt"], job.get("options", {}), on_text,
+                options = {**(sampling or {}), **job.get("options", {})}
+                result = generator.generate(job["prompt"], options, on_text,
                                             cancelled=lambda: job_id in self.cancelled,
                                             threads=lambda: self.threads)
             except InvalidRequest as exc:
@@ -139,10 +141,19 @@ def _load_torch(args: argparse.Namespace, channel: Channel, reason: str) -> tupl
     loaded = load(Path(args.model), args.dtype,
                   lambda done, total, name: channel.send(ev="loading", done=done, total=total,
                                                          file=name))
+    from dsr1d.engine.request import model_sampling
+
+    generation = Path(args.model) / "generation_config.json"
+    try:
+        sampling = model_sampling(json.loads(generation.read_text())) if generation.is_file() \
+            else {}
+    except (OSError, ValueError):
+        sampling = {}
     return Generator(loaded), {
         "model": loaded.name, "dtype": loaded.dtype, "dtype_reason": loaded.dtype_reason,
         "threads": torch.get_num_threads(), "parameters": loaded.parameters,
-        "context": loaded.context, "backend": "torch", "backend_reason": reason}
+        "context": loaded.context, "backend": "torch", "backend_reason": reason,
+        "sampling": sampling}
 
 
 def _load_llama(args: argparse.Namespace, channel: Channel, choice: Any) -> tuple[Any, dict]:
@@ -166,9 +177,12 @@ def _load_llama(args: argparse.Namespace, channel: Channel, choice: Any) -> tupl
         dtype_reason = f"the GGUF file's precision (engine_dtype {args.dtype} applies to " \
                        f"Hugging Face directories only)"
     channel.send(ev="log", message=f"llama.cpp: {llama_backend.system_info()}")
+    from dsr1d.engine.request import model_sampling
+
     generator = llama_backend.load(path, max(1, args.threads), args.context, args.mmap)
     info = generator.info
     return generator, {
+        "sampling": model_sampling(info.sampling),
         "model": info.name, "dtype": info.file_type, "dtype_reason": dtype_reason,
         "threads": generator.threads, "parameters": info.parameters,
         "context": generator.context, "backend": "llamacpp", "backend_reason": choice.reason,
@@ -209,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                      message=f"loading {args.model} failed: {type(exc).__name__}: {exc}"[:2000])
         return 2
     channel.send(ev="ready", **ready)
-    worker.serve(generator)
+    worker.serve(generator, ready.get("sampling", {}))
     return 0
 
 
