@@ -271,3 +271,38 @@ def _reachable(base: str) -> bool:
         return True
     except httpx.TransportError:
         return False
+
+
+def test_concurrent_requests_are_batched_with_the_same_greedy_text(client, gguf_model: Path,
+                                                                  tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = ["Why is the sky blue?", "hi", "Tell me a story about a cat", "2+2?"]
+
+    def ask(c, prompt: str) -> str:
+        reply = c.chat.completions.create(model=MODEL, messages=[{"role": "user",
+                                                                  "content": prompt}], **GREEDY)
+        m = reply.choices[0].message
+        return (m.model_extra.get("reasoning_content") or "") + "|" + (m.content or "")
+
+    one_at_a_time = [ask(client, p) for p in prompts]     # the parallel = 1 daemon
+    sock_dir = Path(tempfile.mkdtemp(prefix="dsr1d-api-"))
+    try:
+        with engine_daemon_running(tmp_path, gguf_model, backend="llamacpp",
+                                   extra_config=["engine_parallel = 3", "[api]",
+                                                 f"socket = {sock_dir}/api.sock"]) as daemon:
+            daemon.wait_state("ready")
+            http = httpx.Client(transport=httpx.HTTPTransport(uds=f"{sock_dir}/api.sock"),
+                                timeout=120)
+            batched = openai.OpenAI(api_key="-", base_url="http://dsr1d/v1", http_client=http,
+                                    max_retries=0)
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                together = list(pool.map(lambda p: ask(batched, p), prompts))
+            assert together == one_at_a_time
+            text = http.get("http://dsr1d/metrics").text
+            assert "dsr1d_slots 3.0" in text
+            assert "engine ready" in daemon.daemon.log()
+    finally:
+        for f in sock_dir.iterdir():
+            f.unlink()
+        sock_dir.rmdir()

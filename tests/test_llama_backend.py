@@ -178,3 +178,50 @@ def test_a_model_bigger_than_memory_is_refused_before_loading(ggufs: dict[str, P
     with pytest.raises(ModelError, match=r"needs about .* GB at a context of .* shorter "
                                          r"engine_context"):
         llama_backend.check_memory(info, context=1 << 40)
+
+
+def test_continuous_batching_gives_each_sequence_its_own_greedy_text(
+        ggufs: dict[str, Path]) -> None:
+    from dsr1d.engine.llama_batch import Batcher
+
+    gen = llama_backend.load(ggufs["int8"], threads=2, context=512, parallel=3)
+    single = llama_backend.load(ggufs["int8"], threads=2, context=512)
+    prompts = ["Why is the sky blue?", "hi", "Tell me a story about a cat", "2+2?"]
+    opts = {"greedy": True, "ignore_eos": True, "max_new_tokens": 20}
+    alone = [single.generate(p, opts).text for p in prompts]
+    batcher = Batcher(gen, 3)
+    results: dict[int, object] = {}
+    for job, prompt in enumerate(prompts[:3]):
+        results.update(batcher.admit(job, prompt, opts, None, lambda: False))
+    assert len(batcher.active) == 3 and batcher.free == []
+    steps, fourth = 0, False
+    while batcher.active:
+        results.update(batcher.step())
+        steps += 1
+        if not fourth and batcher.free:         # the fourth joins when a slot frees
+            results.update(batcher.admit(3, prompts[3], opts, None, lambda: False))
+            fourth = True
+    assert [results[j].text for j in range(4)] == alone
+    assert results[0].stats["batch"] == 3 and steps < 3 * 20        # decoded together
+    # a finished sequence's slot keeps its tokens: the same prompt again evaluates only the
+    # last prompt token (prompt caching), and still gives the same text
+    # (slot 0 went to the fourth prompt; slot 1 still holds the second's)
+    again = batcher.admit(9, prompts[1], {**opts, "max_new_tokens": 1}, None, lambda: False)
+    first = again[0][1]
+    assert first.stats["slot"] == 1
+    assert first.stats["cached_prompt_tokens"] == len(gen.encode(prompts[1])) - 1
+    assert alone[1].startswith(first.text)
+    batcher.close()
+
+
+def test_a_prompt_too_long_for_a_slot_is_refused_before_it_takes_one(
+        ggufs: dict[str, Path]) -> None:
+    from dsr1d.engine.llama_batch import Batcher
+    from dsr1d.engine.request import InvalidRequest
+
+    gen = llama_backend.load(ggufs["int8"], threads=2, context=128, parallel=2)
+    batcher = Batcher(gen, 2)
+    with pytest.raises(InvalidRequest, match="exceeds the model's context"):
+        batcher.admit(1, "word " * 200, {"max_new_tokens": 8}, None, lambda: False)
+    assert batcher.free == [0, 1]
+    batcher.close()

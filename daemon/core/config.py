@@ -74,6 +74,8 @@ DAEMON_SCHEMA: Schema = {
     "engine_cpus": option(parse_cpu_list_option, "CPUs the engine is pinned to (e.g. 0-15; "
                           "unset: all)", "cpu list"),
     "engine_profile": option(_single, "profile held while the engine generates", "name"),
+    "engine_parallel": option(integer(1, 64), "llama.cpp: requests decoded together in one "
+                              "batch (continuous batching), each with the whole context", "slots"),
     "engine_ping_timeout_s": option(_positive_float, "an engine worker that answers no health "
                                     "ping for this long is killed and restarted", "s"),
 }
@@ -127,6 +129,7 @@ class Config:
     engine_threads: int = 0
     engine_cpus: list[int] | None = None
     engine_profile: str = "sustained"
+    engine_parallel: int = 1
     engine_ping_timeout_s: float = 30.0
     api_socket: str | None = None           # None: <root>/run/dsr1d/api.sock
     api_tcp: str = ""

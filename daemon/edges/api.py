@@ -230,6 +230,10 @@ class Api:
 
     # -- routes ------------------------------------------------------------------------------
 
+    def slots(self) -> int:
+        """Requests the engine decodes together (its ``parallel``)."""
+        return int(self.engine.info.get("parallel", 1)) if self.engine is not None else 1
+
     def model_id(self) -> str:
         if self.engine is None:
             return "none"
@@ -281,7 +285,7 @@ class Api:
             raise ApiError(404, f"the model {model!r} does not exist here; "
                                 f"served: {self.model_id()}", code="model_not_found",
                            param="model")
-        if len(self.runs) >= 1 + self.queue_limit:
+        if len(self.runs) >= self.slots() + self.queue_limit:
             raise ApiError(429, f"{len(self.runs)} request(s) running or queued; try again "
                                 "later", "rate_limit_error", "queue_full")
         return engine
@@ -299,7 +303,7 @@ class Api:
         except EngineUnavailable as exc:
             raise ApiError(503, str(exc), "server_error", "engine_unavailable") from None
         run = self.runs[job.id] = Run(job.id, stops)
-        self.metrics.active(len(self.runs))
+        self.metrics.active(len(self.runs), self.slots())
         outcome = "499"
         try:
             if stream:
@@ -310,7 +314,7 @@ class Api:
             return response
         finally:
             self.runs.pop(job.id, None)
-            self.metrics.active(len(self.runs))
+            self.metrics.active(len(self.runs), self.slots())
             self.metrics.request(path, outcome)
             if not job.done.done():            # the caller left, or we failed: free the slot
                 try:

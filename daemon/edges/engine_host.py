@@ -122,7 +122,7 @@ class EngineHost:
                  cpus: list[int] | None = None, python: str = sys.executable,
                  backend: str = "auto", cache_dir: Path = Path("/var/cache/dsr1d"),
                  context: int = 0, mmap: bool = False, root: str = "/",
-                 ping_timeout_s: float = PING_TIMEOUT_S) -> None:
+                 ping_timeout_s: float = PING_TIMEOUT_S, parallel: int = 1) -> None:
         self.model = model
         self.ping_timeout_s = ping_timeout_s
         self.dtype = dtype
@@ -130,6 +130,7 @@ class EngineHost:
         self.cache_dir = cache_dir
         self.context = context
         self.mmap = mmap
+        self.parallel = parallel             # llama.cpp sequences decoded together
         self.root = root
         self._wanted_threads = threads
         self.thread_cap: int | None = None
@@ -187,7 +188,8 @@ class EngineHost:
         self.threads = self.effective_threads()
         args = ["--fd", str(child.fileno()), "--model", str(self.model), "--dtype", self.dtype,
                 "--threads", str(self.threads), "--backend", self.backend,
-                "--cache-dir", str(self.cache_dir), "--context", str(self.context)]
+                "--cache-dir", str(self.cache_dir), "--context", str(self.context),
+                "--parallel", str(self.parallel)]
         if self.mmap:
             args.append("--mmap")
         if placement.mem_bind_nodes:

@@ -35,9 +35,11 @@ class _Live:
         s = self.metrics.status()
         active = self.metrics.active_requests
         yield _gauge("dsr1d_requests_active", "generations running or queued", active)
-        yield _gauge("dsr1d_slots_active", "generations decoding now", min(active, 1))
-        yield _gauge("dsr1d_queue_depth", "generations waiting for the engine",
-                     max(0, active - 1))
+        slots = self.metrics.slots
+        yield _gauge("dsr1d_slots_active", "generations decoding now", min(active, slots))
+        yield _gauge("dsr1d_slots", "generations the engine decodes together", slots)
+        yield _gauge("dsr1d_queue_depth", "generations waiting for a slot",
+                     max(0, active - slots))
         rate = float(s.get("tokens_per_s") or 0.0)
         yield _gauge("dsr1d_decode_tokens_per_second", "the engine's last decode rate", rate)
         profile = GaugeMetricFamily("dsr1d_profile_info", "the active profile",
@@ -73,6 +75,7 @@ class Metrics:
     def __init__(self, status: Status = dict) -> None:
         self.status = status
         self.active_requests = 0
+        self.slots = 1
         self.registry = CollectorRegistry()
         self.requests = Counter("dsr1d_requests", "API requests by endpoint and status code",
                                 ["endpoint", "code"], registry=self.registry)
@@ -86,8 +89,8 @@ class Metrics:
         known = endpoint if endpoint in ENDPOINTS else "other"   # no unbounded label values
         self.requests.labels(known, code).inc()
 
-    def active(self, n: int) -> None:
-        self.active_requests = n
+    def active(self, n: int, slots: int = 1) -> None:
+        self.active_requests, self.slots = n, slots
 
     def first_token(self, seconds: float) -> None:
         self.first.observe(seconds)

@@ -195,6 +195,7 @@ class Daemon:
                   "backend": engine_setting(config, self.manager, "backend"),
                   "cache_dir": Path(config.engine_cache_dir), "context": config.engine_context,
                   "mmap": config.engine_mmap, "cpus": config.engine_cpus,
+                  "parallel": config.engine_parallel,
                   "ping_timeout_s": config.engine_ping_timeout_s}
         changed = [k for k, v in wanted.items() if getattr(self.engine, k) != v]
         for key in changed:
@@ -302,7 +303,8 @@ class Daemon:
                           config.engine_cpus, backend=config.engine_backend,
                           cache_dir=Path(config.engine_cache_dir), context=config.engine_context,
                           mmap=config.engine_mmap, root=config.root,
-                          ping_timeout_s=config.engine_ping_timeout_s)
+                          ping_timeout_s=config.engine_ping_timeout_s,
+                          parallel=config.engine_parallel)
         cookie: list[int] = []
 
         def busy(now_busy: bool) -> None:

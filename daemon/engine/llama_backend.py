@@ -77,7 +77,7 @@ class LlamaGenerator:
     """Generates from one GGUF model, one request at a time."""
 
     def __init__(self, info: GGUFInfo, threads: int, context: int = 0,
-                 use_mmap: bool = False) -> None:
+                 use_mmap: bool = False, own_kv: bool = True) -> None:
         import llama_cpp
         from llama_cpp import Llama
 
@@ -89,7 +89,9 @@ class LlamaGenerator:
         self.context = effective_context(info, context)
         _quiet_logs(llama_cpp)
         try:
-            self.llm = Llama(model_path=str(info.path), n_ctx=self.context, n_batch=512,
+            # own_kv False: a Batcher holds the KV caches; this context only tokenizes
+            self.llm = Llama(model_path=str(info.path),
+                             n_ctx=self.context if own_kv else 64, n_batch=512,
                              n_threads=threads, n_threads_batch=threads, use_mmap=use_mmap,
                              verbose=False)
         except (ValueError, RuntimeError) as exc:
@@ -276,13 +278,15 @@ def check_memory(info: GGUFInfo, context: int) -> None:
                          f"smaller model")
 
 
-def load(path: Path, threads: int, context: int = 0, use_mmap: bool = False) -> LlamaGenerator:
-    """Check ``path`` and the memory before llama.cpp sees it (ModelError), then load it."""
+def load(path: Path, threads: int, context: int = 0, use_mmap: bool = False,
+         parallel: int = 1) -> LlamaGenerator:
+    """Check ``path`` and the memory before llama.cpp sees it (ModelError), then load it;
+    ``parallel`` sequences each get the whole context (their KV caches are counted)."""
     from dsr1d.engine.gguf_file import inspect_gguf
 
     info = inspect_gguf(path)
-    check_memory(info, effective_context(info, context))
-    return LlamaGenerator(info, threads, context, use_mmap)
+    check_memory(info, effective_context(info, context) * max(1, parallel))
+    return LlamaGenerator(info, threads, context, use_mmap, own_kv=parallel <= 1)
 
 
 def effective_context(info: GGUFInfo, requested: int) -> int:

@@ -97,23 +97,64 @@ class Worker:
                                   message="cancelled before it started")
                 continue
 
-            def on_text(piece: str, job_id: int = job_id) -> None:
-                self.channel.send(ev="token", job=job_id, piece=piece)
-
             try:
                 options = {**(sampling or {}), **job.get("options", {})}
-                result = generator.generate(job["prompt"], options, on_text,
+                result = generator.generate(job["prompt"], options, self._on_text(job_id),
                                             cancelled=lambda: job_id in self.cancelled,
                                             threads=lambda: self.threads)
             except InvalidRequest as exc:
                 self.channel.send(ev="error", job=job_id, name="InvalidArgument", message=str(exc))
                 continue
-            # The text goes in chunks so that no line is unbounded (R1 reasons for thousands of
-            # tokens); it keeps its </think>, so a client splits reasoning from answer there.
-            for start in range(0, len(result.text), TEXT_CHUNK):
-                self.channel.send(ev="text", job=job_id,
-                                  chunk=result.text[start:start + TEXT_CHUNK])
-            self.channel.send(ev="finished", job=job_id, stats=result.stats)
+            self._result(job_id, result)
+
+    def serve_batched(self, batcher: Any, sampling: dict[str, float] | None = None) -> None:
+        """Continuous batching: a job joins at the next step while a slot is free, a finished
+        one leaves (`dsr1d.engine.llama_batch`)."""
+        from dsr1d.engine.request import InvalidRequest
+
+        ending = False
+        while True:
+            while batcher.free and not ending:
+                try:
+                    job = self.jobs.get(block=not batcher.active)
+                except queue.Empty:
+                    break
+                if job is None:
+                    ending = True
+                    break
+                job_id = int(job["job"])
+                if job_id in self.cancelled:
+                    self.channel.send(ev="error", job=job_id, name="Cancelled",
+                                      message="cancelled before it started")
+                    continue
+                options = {**(sampling or {}), **job.get("options", {})}
+                try:
+                    done = batcher.admit(job_id, job["prompt"], options, self._on_text(job_id),
+                                         lambda j=job_id: j in self.cancelled)
+                except InvalidRequest as exc:
+                    self.channel.send(ev="error", job=job_id, name="InvalidArgument",
+                                      message=str(exc))
+                    continue
+                for finished, result in done:
+                    self._result(finished, result)
+            if not batcher.active:
+                if ending:
+                    return
+                continue
+            for finished, result in batcher.step(self.threads):
+                self._result(finished, result)
+
+    def _on_text(self, job_id: int) -> Any:
+        def on_text(piece: str) -> None:
+            self.channel.send(ev="token", job=job_id, piece=piece)
+        return on_text
+
+    def _result(self, job_id: int, result: Any) -> None:
+        # The text goes in chunks so that no line is unbounded (R1 reasons for thousands of
+        # tokens); it keeps its </think>, so a client splits reasoning from answer there.
+        for start in range(0, len(result.text), TEXT_CHUNK):
+            self.channel.send(ev="text", job=job_id, chunk=result.text[start:start + TEXT_CHUNK])
+        self.channel.send(ev="finished", job=job_id, stats=result.stats)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -125,6 +166,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", default="auto", choices=ENGINE_BACKENDS)
     parser.add_argument("--cache-dir", default="/var/cache/dsr1d")
     parser.add_argument("--context", type=int, default=0, help="llama.cpp context (0: default)")
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="llama.cpp: sequences decoded together (continuous batching)")
     parser.add_argument("--mmap", action="store_true",
                         help="llama.cpp: map the file instead of reading it into anonymous memory")
     parser.add_argument("--mem-nodes", default="", help="NUMA nodes to bind memory to (e.g. 0)")
@@ -179,9 +222,11 @@ def _load_llama(args: argparse.Namespace, channel: Channel, choice: Any) -> tupl
     channel.send(ev="log", message=f"llama.cpp: {llama_backend.system_info()}")
     from dsr1d.engine.request import model_sampling
 
-    generator = llama_backend.load(path, max(1, args.threads), args.context, args.mmap)
+    parallel = max(1, args.parallel)
+    generator = llama_backend.load(path, max(1, args.threads), args.context, args.mmap, parallel)
     info = generator.info
     return generator, {
+        "parallel": parallel,
         "sampling": model_sampling(info.sampling),
         "model": info.name, "dtype": info.file_type, "dtype_reason": dtype_reason,
         "threads": generator.threads, "parameters": info.parameters,
@@ -222,6 +267,17 @@ def main(argv: list[str] | None = None) -> int:
         channel.send(ev="error", job=None, name="ModelError",
                      message=f"loading {args.model} failed: {type(exc).__name__}: {exc}"[:2000])
         return 2
+    if ready.get("parallel", 1) > 1:
+        from dsr1d.engine.llama_batch import Batcher
+
+        try:
+            batcher = Batcher(generator, ready["parallel"])
+        except ModelError as exc:
+            channel.send(ev="error", job=None, name="ModelError", message=str(exc))
+            return 2
+        channel.send(ev="ready", **ready)
+        worker.serve_batched(batcher, ready.get("sampling", {}))
+        return 0
     channel.send(ev="ready", **ready)
     worker.serve(generator, ready.get("sampling", {}))
     return 0

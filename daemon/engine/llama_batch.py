@@ -1,0 +1,192 @@
+"""Continuous batching on llama.cpp: several sequences decoded together, one ``llama_decode``
+a step.
+
+`Batcher` owns a second llama.cpp context over the loaded model with ``parallel`` sequence
+slots (``n_seq_max``; each slot gets the whole configured context). A request joins at the next
+step: its prompt is prefilled into a free slot in a call of its own, then every step decodes one
+token for every active sequence in one batch and samples each with its own sampler; a sequence
+that ends (end of generation, ``max_new_tokens``, cancel) leaves and frees its slot at once.
+Each slot remembers the tokens in its KV cache, and a new prompt goes to the free slot sharing
+the longest prefix with it, so a shared system prompt or an earlier turn is not evaluated again
+(prompt caching). Text, ``<think>`` split, sampling and stats are those of
+`LlamaGenerator.generate`, which serves one request at a time when ``parallel`` is 1.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from dsr1d.engine.errors import ModelError
+from dsr1d.engine.llama_backend import LlamaGenerator
+from dsr1d.engine.request import DEFAULTS, OnText, Prompt, Result, check_budget, decode_stats
+from dsr1d.textstream import IncrementalDecoder, ThinkSplitter, emit
+
+PREFILL_CHUNK = 512
+
+
+@dataclass
+class Sequence:
+    """One request in a slot."""
+
+    job: int
+    slot: int
+    ids: list[int]
+    opts: dict[str, Any]
+    sampler: Any
+    on_text: OnText | None
+    cancelled: Callable[[], bool]
+    decoder: IncrementalDecoder
+    splitter: ThinkSplitter = field(default_factory=ThinkSplitter)
+    new: list[int] = field(default_factory=list)
+    token: int = -1               # sampled, not yet evaluated
+    pos: int = 0                  # where ``token`` goes in the KV cache
+    start: float = 0.0
+    first: float = 0.0
+    cached: int = 0               # prompt tokens found in the slot's KV cache
+
+
+class Batcher:
+    """Continuous batching over a `LlamaGenerator`'s model."""
+
+    def __init__(self, gen: LlamaGenerator, parallel: int) -> None:
+        lib = gen.lib
+        self.gen, self.lib, self.parallel = gen, lib, parallel
+        params = lib.llama_context_default_params()
+        params.n_ctx = gen.context * parallel
+        params.n_batch = max(PREFILL_CHUNK, parallel)
+        params.n_ubatch = max(PREFILL_CHUNK, parallel)
+        params.n_seq_max = parallel
+        params.n_threads = params.n_threads_batch = gen.threads
+        self.ctx = lib.llama_init_from_model(gen.llm.model, params)
+        if not self.ctx:
+            raise ModelError(f"llama.cpp cannot make a context of {parallel} sequences of "
+                             f"{gen.context} tokens (memory?)")
+        self.memory = lib.llama_get_memory(self.ctx)
+        self.batch = lib.llama_batch_init(max(PREFILL_CHUNK, parallel), 0, 1)
+        self.threads = gen.threads
+        self.cached: list[list[int]] = [[] for _ in range(parallel)]   # tokens in each slot
+        self.active: dict[int, Sequence] = {}                          # by slot
+
+    @property
+    def free(self) -> list[int]:
+        return [s for s in range(self.parallel) if s not in self.active]
+
+    # -- admitting ---------------------------------------------------------------------------
+
+    def admit(self, job: int, prompt: Prompt, options: dict[str, Any], on_text: OnText | None,
+              cancelled: Callable[[], bool]) -> list[tuple[int, Result]]:
+        """Prefill ``prompt`` into the free slot that shares most of it; InvalidRequest when it
+        cannot be served. Returns the jobs that ended already (a one-token answer)."""
+        opts = {**DEFAULTS, **options}
+        ids = self.gen.encode(prompt)
+        check_budget(len(ids), int(opts["max_new_tokens"]), self.gen.context)
+        slot, common = max(((s, _common(self.cached[s], ids[:-1])) for s in self.free),
+                           key=lambda sc: sc[1])
+        self.lib.llama_memory_seq_rm(self.memory, slot, common, -1)
+        self.cached[slot] = ids[:common]
+        seq = Sequence(job, slot, ids, opts, self.gen._sampler(opts), on_text, cancelled,
+                       IncrementalDecoder(self.gen.detokenize), start=time.perf_counter(),
+                       cached=common)
+        self.active[slot] = seq
+        for begin in range(common, len(ids), PREFILL_CHUNK):
+            chunk = ids[begin:begin + PREFILL_CHUNK]
+            last = begin + len(chunk) == len(ids)
+            self._fill([(t, begin + i, slot, last and i == len(chunk) - 1)
+                        for i, t in enumerate(chunk)])
+            self._decode()
+        self.cached[slot] = list(ids)
+        seq.pos = len(ids)
+        seq.token = self._sample(seq, self.batch.n_tokens - 1)
+        seq.first = time.perf_counter()
+        return self._advance([seq])
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def step(self, threads: int | None = None) -> list[tuple[int, Result]]:
+        """Decode one token of every active sequence; the jobs that ended, with their results."""
+        if threads and threads != self.threads:
+            self.lib.llama_set_n_threads(self.ctx, threads, threads)
+            self.threads = threads
+        running = list(self.active.values())
+        self._fill([(s.token, s.pos, s.slot, True) for s in running])
+        self._decode()
+        for i, seq in enumerate(running):
+            self.cached[seq.slot].append(seq.token)
+            seq.pos += 1
+            seq.token = self._sample(seq, i)
+        return self._advance(running)
+
+    def _advance(self, running: list[Sequence]) -> list[tuple[int, Result]]:
+        """Take each sequence's sampled token; the ones that end leave."""
+        done = []
+        for seq in running:
+            reason = None
+            if self.lib.llama_vocab_is_eog(self.gen.vocab, seq.token) and \
+                    not seq.opts["ignore_eos"]:
+                reason = "eos"
+            else:
+                seq.new.append(seq.token)
+                emit(seq.decoder.push(seq.token), seq.splitter, seq.on_text)
+                if len(seq.new) >= int(seq.opts["max_new_tokens"]):
+                    reason = "length"
+                elif seq.cancelled():
+                    reason = "cancelled"
+            if reason is not None:
+                done.append((seq.job, self._finish(seq, reason)))
+        return done
+
+    def _finish(self, seq: Sequence, reason: str) -> Result:
+        end = time.perf_counter()
+        self.lib.llama_sampler_free(seq.sampler)
+        del self.active[seq.slot]
+        emit(seq.decoder.flush(), seq.splitter, seq.on_text, final=True)
+        stats = {
+            **decode_stats(len(seq.ids), len(seq.new), seq.start, seq.first, end),
+            "reasoning_chars": len(seq.splitter.reasoning_text),
+            "answer_chars": len(seq.splitter.answer_text),
+            "finish_reason": reason, "dtype": self.gen.info.file_type,
+            "threads": self.threads, "backend": "llamacpp", "slot": seq.slot,
+            "batch": len(self.active) + 1, "cached_prompt_tokens": seq.cached,
+        }
+        return Result(self.gen.detokenize(seq.new, special=False), seq.splitter.reasoning_text,
+                      seq.splitter.answer_text, stats)
+
+    # -- llama.cpp ---------------------------------------------------------------------------
+
+    def _fill(self, tokens: list[tuple[int, int, int, bool]]) -> None:
+        """(token, position, sequence, wants logits) into the batch."""
+        b = self.batch
+        for i, (token, pos, seq, logits) in enumerate(tokens):
+            b.token[i] = token
+            b.pos[i] = pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = logits
+        b.n_tokens = len(tokens)
+
+    def _decode(self) -> None:
+        code = self.lib.llama_decode(self.ctx, self.batch)
+        if code != 0:
+            raise RuntimeError(f"llama_decode returned {code} (the KV cache is full?)")
+
+    def _sample(self, seq: Sequence, index: int) -> int:
+        return int(self.lib.llama_sampler_sample(seq.sampler, self.ctx, index))
+
+    def close(self) -> None:
+        for seq in list(self.active.values()):
+            self.lib.llama_sampler_free(seq.sampler)
+        self.active.clear()
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.ctx)
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
