@@ -304,7 +304,7 @@ class Api:
             raise ApiError(503, str(exc), "server_error", "engine_unavailable") from None
         run = self.runs[job.id] = Run(job.id, stops)
         self.metrics.active(len(self.runs), self.slots())
-        outcome = "499"
+        outcome: str | None = "499"            # the client left before the end
         try:
             if stream:
                 response = await self._stream(request, engine, job, run, kind, body, started)
@@ -312,10 +312,14 @@ class Api:
                 response = await self._whole(engine, job, run, kind, started)
             outcome = "200"
             return response
+        except ApiError:
+            outcome = None                      # counted with its status by the middleware
+            raise
         finally:
             self.runs.pop(job.id, None)
             self.metrics.active(len(self.runs), self.slots())
-            self.metrics.request(path, outcome)
+            if outcome is not None:
+                self.metrics.request(path, outcome)
             if not job.done.done():            # the caller left, or we failed: free the slot
                 try:
                     await engine.cancel(job.id)
