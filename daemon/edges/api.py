@@ -296,13 +296,22 @@ class Api:
         options, stops = parse_options(body)
         stream = bool(body.get("stream"))
         started = time.monotonic()
+
+        made: list[int] = []
+
+        def register(job: Any) -> None:      # before the worker sees it: no token is lost
+            self.runs[job.id] = Run(job.id, stops)
+            made.append(job.id)
+
         try:
-            job = await engine.submit(messages, options)
-        except InvalidArgument as exc:
-            raise ApiError(400, str(exc)) from None
-        except EngineUnavailable as exc:
+            job = await engine.submit(messages, options, register)
+        except (InvalidArgument, EngineUnavailable) as exc:
+            for job_id in made:
+                self.runs.pop(job_id, None)
+            if isinstance(exc, InvalidArgument):
+                raise ApiError(400, str(exc)) from None
             raise ApiError(503, str(exc), "server_error", "engine_unavailable") from None
-        run = self.runs[job.id] = Run(job.id, stops)
+        run = self.runs[job.id]
         self.metrics.active(len(self.runs), self.slots())
         outcome: str | None = "499"            # the client left before the end
         try:

@@ -223,9 +223,11 @@ class EngineHost:
 
     # -- requests ----------------------------------------------------------------------------
 
-    async def submit(self, prompt: str | list[dict[str, str]], options: dict[str, Any]) -> Job:
+    async def submit(self, prompt: str | list[dict[str, str]], options: dict[str, Any],
+                     on_job: Callable[[Job], None] | None = None) -> Job:
         """Queue a generation of one user turn or a conversation (role/content dicts, the
-        last the user's); tokens and the result arrive through the listeners."""
+        last the user's); tokens and the result arrive through the listeners. ``on_job`` sees
+        the job before the worker does, so that no token can come before its listener."""
         if self.state not in ("ready", "busy"):
             raise EngineUnavailable(f"the engine is {self.state}"
                                     + (f": {self.info['error']}" if "error" in self.info else ""))
@@ -233,6 +235,8 @@ class EngineHost:
         job = Job(self._next_job, prompt, clean)
         self._next_job += 1
         self.jobs[job.id] = job
+        if on_job is not None:
+            on_job(job)
         await self._send(op="generate", job=job.id, prompt=prompt, options=clean)
         if self.state == "ready":
             self._set_state("busy")
