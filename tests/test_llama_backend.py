@@ -191,11 +191,9 @@ def test_continuous_batching_gives_each_sequence_its_own_greedy_text(
     alone = [single.generate(p, opts).text for p in prompts]
     batcher = Batcher(gen, 3)
     results: dict[int, object] = {}
-    # three arrive together: prefilled together, in the same batch
-    done, refused = batcher.admit_many([(job, prompt, opts, None, lambda: False)
-                                        for job, prompt in enumerate(prompts[:3])])
-    results.update(done)
-    assert refused == [] and len(batcher.active) == 3 and batcher.free == []
+    for job, prompt in enumerate(prompts[:3]):
+        results.update(batcher.admit(job, prompt, opts, None, lambda: False))
+    assert len(batcher.active) == 3 and batcher.free == []
     steps, fourth = 0, False
     while batcher.active:
         results.update(batcher.step())
@@ -226,9 +224,4 @@ def test_a_prompt_too_long_for_a_slot_is_refused_before_it_takes_one(
     with pytest.raises(InvalidRequest, match="exceeds the model's context"):
         batcher.admit(1, "word " * 200, {"max_new_tokens": 8}, None, lambda: False)
     assert batcher.free == [0, 1]
-    # among others, the long one is refused and the rest go on
-    done, refused = batcher.admit_many([
-        (2, "word " * 200, {"max_new_tokens": 8}, None, lambda: False),
-        (3, "hi", {"max_new_tokens": 8, "greedy": True}, None, lambda: False)])
-    assert [job for job, _ in refused] == [2] and len(batcher.active) == 1
     batcher.close()

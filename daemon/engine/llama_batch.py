@@ -8,8 +8,7 @@ token for every active sequence in one batch and samples each with its own sampl
 that ends (end of generation, ``max_new_tokens``, cancel) leaves and frees its slot at once.
 Each slot remembers the tokens in its KV cache, and a new prompt goes to the free slot sharing
 the longest prefix with it, so a shared system prompt or an earlier turn is not evaluated again
-(prompt caching). Requests that arrive together are prefilled together, in the same batches.
-Text, ``<think>`` split, sampling and stats are those of
+(prompt caching). Text, ``<think>`` split, sampling and stats are those of
 `LlamaGenerator.generate`, which serves one request at a time when ``parallel`` is 1.
 """
 
@@ -21,8 +20,7 @@ from typing import Any, Callable
 
 from dsr1d.engine.errors import ModelError
 from dsr1d.engine.llama_backend import LlamaGenerator
-from dsr1d.engine.request import (DEFAULTS, InvalidRequest, OnText, Prompt, Result, check_budget,
-                                  decode_stats)
+from dsr1d.engine.request import DEFAULTS, OnText, Prompt, Result, check_budget, decode_stats
 from dsr1d.textstream import IncrementalDecoder, ThinkSplitter, emit
 
 PREFILL_CHUNK = 512
@@ -79,52 +77,30 @@ class Batcher:
 
     def admit(self, job: int, prompt: Prompt, options: dict[str, Any], on_text: OnText | None,
               cancelled: Callable[[], bool]) -> list[tuple[int, Result]]:
-        """`admit_many` of one request; InvalidRequest when it cannot be served."""
-        done, refused = self.admit_many([(job, prompt, options, on_text, cancelled)])
-        if refused:
-            raise refused[0][1]
-        return done
-
-    def admit_many(self, requests: list[tuple[int, Prompt, dict[str, Any], OnText | None,
-                                              Callable[[], bool]]]
-                   ) -> tuple[list[tuple[int, Result]], list[tuple[int, InvalidRequest]]]:
-        """Prefill each request (job, prompt, options, on_text, cancelled) into the free slot
-        that shares most of it, all of them in the same batches. Returns the jobs that ended
-        already (a one-token answer) and those refused (too long), with why."""
-        refused: list[tuple[int, InvalidRequest]] = []
-        fills: list[tuple[int, int, int, bool]] = []
-        last_of: dict[int, Sequence] = {}          # flat index of a prompt's last token
-        for job, prompt, options, on_text, cancelled in requests[:len(self.free)]:
-            opts = {**DEFAULTS, **options}
-            ids = self.gen.encode(prompt)
-            try:
-                check_budget(len(ids), int(opts["max_new_tokens"]), self.gen.context)
-            except InvalidRequest as exc:
-                refused.append((job, exc))
-                continue
-            slot, common = max(((s, _common(self.cached[s], ids[:-1])) for s in self.free),
-                               key=lambda sc: sc[1])
-            self.lib.llama_memory_seq_rm(self.memory, slot, common, -1)
-            seq = Sequence(job, slot, ids, opts, self.gen._sampler(opts), on_text, cancelled,
-                           IncrementalDecoder(self.gen.detokenize), start=time.perf_counter(),
-                           cached=common, pos=len(ids))
-            self.active[slot] = seq
-            self.cached[slot] = list(ids)
-            fills += [(t, common + i, slot, common + i == len(ids) - 1)
-                      for i, t in enumerate(ids[common:])]
-            last_of[len(fills) - 1] = seq
-        started = []
-        for begin in range(0, len(fills), PREFILL_CHUNK):
-            chunk = fills[begin:begin + PREFILL_CHUNK]
-            self._fill(chunk)
+        """Prefill ``prompt`` into the free slot that shares most of it; InvalidRequest when it
+        cannot be served. Returns the jobs that ended already (a one-token answer)."""
+        opts = {**DEFAULTS, **options}
+        ids = self.gen.encode(prompt)
+        check_budget(len(ids), int(opts["max_new_tokens"]), self.gen.context)
+        slot, common = max(((s, _common(self.cached[s], ids[:-1])) for s in self.free),
+                           key=lambda sc: sc[1])
+        self.lib.llama_memory_seq_rm(self.memory, slot, common, -1)
+        self.cached[slot] = ids[:common]
+        seq = Sequence(job, slot, ids, opts, self.gen._sampler(opts), on_text, cancelled,
+                       IncrementalDecoder(self.gen.detokenize), start=time.perf_counter(),
+                       cached=common)
+        self.active[slot] = seq
+        for begin in range(common, len(ids), PREFILL_CHUNK):
+            chunk = ids[begin:begin + PREFILL_CHUNK]
+            last = begin + len(chunk) == len(ids)
+            self._fill([(t, begin + i, slot, last and i == len(chunk) - 1)
+                        for i, t in enumerate(chunk)])
             self._decode()
-            for i in range(len(chunk)):
-                seq = last_of.get(begin + i)
-                if seq is not None:       # its logits are those of this decode only
-                    seq.token = self._sample(seq, i)
-                    seq.first = time.perf_counter()
-                    started.append(seq)
-        return self._advance(started), refused
+        self.cached[slot] = list(ids)
+        seq.pos = len(ids)
+        seq.token = self._sample(seq, self.batch.n_tokens - 1)
+        seq.first = time.perf_counter()
+        return self._advance([seq])
 
     # -- one step ----------------------------------------------------------------------------
 

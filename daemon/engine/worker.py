@@ -110,12 +110,13 @@ class Worker:
     def serve_batched(self, batcher: Any, sampling: dict[str, float] | None = None) -> None:
         """Continuous batching: a job joins at the next step while a slot is free, a finished
         one leaves (`dsr1d.engine.llama_batch`)."""
+        from dsr1d.engine.request import InvalidRequest
+
         ending = False
         while True:
-            waiting: list[tuple[Any, ...]] = []
-            while len(waiting) < len(batcher.free) and not ending:
-                try:      # block only when nothing decodes and nothing waits
-                    job = self.jobs.get(block=not batcher.active and not waiting)
+            while batcher.free and not ending:
+                try:
+                    job = self.jobs.get(block=not batcher.active)
                 except queue.Empty:
                     break
                 if job is None:
@@ -127,13 +128,13 @@ class Worker:
                                       message="cancelled before it started")
                     continue
                 options = {**(sampling or {}), **job.get("options", {})}
-                waiting.append((job_id, job["prompt"], options, self._on_text(job_id),
-                                lambda j=job_id: j in self.cancelled))
-            if waiting:
-                done, refused = batcher.admit_many(waiting)
-                for job_id, exc in refused:
+                try:
+                    done = batcher.admit(job_id, job["prompt"], options, self._on_text(job_id),
+                                         lambda j=job_id: j in self.cancelled)
+                except InvalidRequest as exc:
                     self.channel.send(ev="error", job=job_id, name="InvalidArgument",
                                       message=str(exc))
+                    continue
                 for finished, result in done:
                     self._result(finished, result)
             if not batcher.active:
