@@ -30,3 +30,5 @@ CPU_MAX_MHZ = "cpu_max_mhz"          # cpuinfo_max_freq, the hardware's top
 CPU_MIN_MHZ = "cpu_min_mhz"
 CEILING_MHZ = "ceiling_mhz"          # the lowest scaling_max_freq over the online CPUs
 PL1_W = "pl1_w"                      # RAPL long-term limit of package 0, as read back
+PL1_PACKAGES_W = "pl1_packages_w"    # every package's, in zone order (two sockets or more)
+PKG_POWER_PACKAGES_W = "pkg_power_packages_w"   # every package's power, same order

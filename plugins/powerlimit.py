@@ -3,12 +3,15 @@
 Capping PL1 (the long-term limit) at the power the package can sustain keeps it just under its
 thermal limit instead of letting it hit PROCHOT and saw between turbo and the floor. The knob is
 ``/sys/class/powercap/intel-rapl:N/constraint_0_power_limit_uw`` (constraint 0 is
-``long_term``) of every package zone; writing it needs root.
+``long_term``) of every package zone; writing it needs root. One value caps every package; a
+list caps each package in zone order (``intel-rapl:0``, ``intel-rapl:1``…): two sockets draw
+differently, and a cap from their summed power would starve one and spare the other.
 
 Example::
 
     [rapl]
     pl1_w = 180
+    # or per package: pl1_w = 180 150
 """
 
 from __future__ import annotations
@@ -22,6 +25,15 @@ from dsr1d.contract.sysroot import SysRoot
 from dsr1d.contract.tunable import Action, Setting, Skip, Support
 
 POWERCAP = "sys/class/powercap"
+
+
+def _watts(raw: str) -> int | list[int]:
+    """One limit in watts, or one per package (space or comma separated)."""
+    words = [w for w in raw.replace(",", " ").split() if w]
+    values = [integer(1, 2000)(w) for w in words]
+    if not values:
+        raise ValueError("expected watts")
+    return values[0] if len(values) == 1 else values
 
 
 def _packages(root: SysRoot) -> list[str]:
@@ -38,7 +50,8 @@ class PowerLimit:
     summary = "RAPL package power limit PL1 (long term): hold power the package can sustain"
     per_cpu = False
     options = {
-        "pl1_w": option(integer(1, 2000), "long-term package power limit in watts", "W"),
+        "pl1_w": option(_watts, "long-term package power limit in watts; a list: one per "
+                        "package, in zone order", "W|W W…"),
     }
 
     def probe(self, root: SysRoot) -> Support:
@@ -59,9 +72,12 @@ class PowerLimit:
         zones = _packages(root)
         if not zones:
             return [Skip(self.name, "pl1_w", self.probe(root).detail)]
-        microwatts = str(int(options["pl1_w"]) * 1_000_000)
-        return [Setting(self.name, FileKnob(f"{z}/constraint_0_power_limit_uw"), microwatts)
-                for z in zones]
+        wanted = options["pl1_w"]
+        watts = wanted if isinstance(wanted, list) else [wanted] * len(zones)
+        if len(watts) != len(zones):
+            return [Skip(self.name, "pl1_w", f"{len(watts)} limits for {len(zones)} package(s)")]
+        return [Setting(self.name, FileKnob(f"{z}/constraint_0_power_limit_uw"),
+                        str(int(w) * 1_000_000)) for z, w in zip(zones, watts)]
 
 
 @hookimpl

@@ -8,7 +8,8 @@ readable by root only.
 
 Keys: ``rapl_<domain>_w`` (``rapl_package_0_w``, ``rapl_package_0_dram_w``, ``rapl_psys_w``),
 ``pkg_power_w`` (the packages summed) and ``pl1_w`` (package 0's ``constraint_0_power_limit_uw``
-as the hardware reads it back, where there is one). The first read only primes the counters; a
+as the hardware reads it back, where there is one); with two or more packages also
+``pkg_power_packages_w`` and ``pl1_packages_w`` (lists, in zone order), for per-socket caps. The first read only primes the counters; a
 counter that goes backwards (anything but a wrap) makes that domain unavailable for that
 interval; a wrap is told from a reset by its size (a real wrap moves less than half the
 range in one interval).
@@ -21,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from dsr1d.constants import PKG_POWER_W, PL1_W
+from dsr1d.constants import PKG_POWER_PACKAGES_W, PKG_POWER_W, PL1_PACKAGES_W, PL1_W
 from dsr1d.contract.hookspecs import hookimpl
 from dsr1d.contract.sysroot import SysRoot
 from dsr1d.contract.telemetry import UNAVAILABLE, Unavailable, describe_oserror, read_int, \
@@ -158,12 +159,21 @@ class Rapl:
                 package_w.append(watts)
         if package_w and not package_missing:
             out[PKG_POWER_W] = round(sum(package_w), 3)
-        first = next((d for d in self.domains if d.pl1), None)
-        if first is not None and first.pl1 is not None:
+        if package_w and not package_missing and len(package_w) > 1:
+            out[PKG_POWER_PACKAGES_W] = package_w          # per socket, in zone order
+        limits = []
+        for d in self.domains:
+            if d.pl1 is None:
+                continue
             try:
-                out[PL1_W] = read_int(first.pl1) / 1e6
+                limits.append(read_int(d.pl1) / 1e6)
             except (OSError, ValueError):
-                pass    # the limit is evidence for one decision only; power still counts
+                limits = []  # the limit is evidence for one decision only; power still counts
+                break
+        if limits:
+            out[PL1_W] = limits[0]
+            if len(limits) > 1:
+                out[PL1_PACKAGES_W] = limits
         if vanished:  # hotplug: find the domains again for the next read
             self.domains = self.discover(root)
         if missing:

@@ -143,10 +143,10 @@ class FakeRoot:
         self.write("proc/meminfo", "MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n")
         return self
 
-    def add_rapl(self, pl1_w: int = 205) -> FakeRoot:
+    def add_rapl(self, pl1_w: int = 205, package: int = 0) -> FakeRoot:
         """A RAPL package zone with its long-term limit (PL1)."""
-        base = "sys/class/powercap/intel-rapl:0"
-        self.write(f"{base}/name", "package-0\n")
+        base = f"sys/class/powercap/intel-rapl:{package}"
+        self.write(f"{base}/name", f"package-{package}\n")
         self.write(f"{base}/constraint_0_name", "long_term\n")
         self.write(f"{base}/constraint_0_power_limit_uw", f"{pl1_w * 1_000_000}\n")
         self.write(f"{base}/energy_uj", "0\n")

@@ -8,6 +8,7 @@ policies with, and the generated ``[mitigation]`` settings.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from dataclasses import replace
@@ -184,3 +185,24 @@ def test_every_setting_is_typed_described_and_checked() -> None:
                 {"pl1": "maybe"}):
         with pytest.raises(ValueError):
             EfficiencyConfig.from_section(bad)
+
+
+def test_two_sockets_get_caps_from_their_own_power_never_above_their_firmware() -> None:
+    cfg = EfficiencyConfig(steady_s=2, settle_s=0, dwell_s=2, limit_temp_c=95)
+    ctl = EfficiencyController(cfg)
+    acts = []
+    for t in range(80):        # heading for 100 °C, past the 92 °C set point
+        temp = 100 - 40 * math.exp(-t / 50)
+        acts += ctl.step(Observation(
+            time_s=float(t), tokens_per_s=10.0, busy_mhz=3000.0, pkg_power_w=400.0,
+            pkg_temp_c=temp, pkg_power_packages_w=(250.0, 150.0),
+            pl1_w=300.0, pl1_packages_w=(300.0, 300.0), pl1_firmware_w=300.0,
+            pl1_firmware_packages_w=(300.0, 300.0)))
+        if acts:
+            break
+    assert acts, "a PL1 cap before the limit"
+    caps = acts[0].params["pl1_w"]
+    assert isinstance(caps, list) and len(caps) == 2
+    assert caps[0] > caps[1] and all(c <= 300.0 for c in caps)
+    assert caps[0] < 250.0 and caps[1] < 150.0          # each from what that socket draws
+    assert "250+150 W drawn" in acts[0].reason

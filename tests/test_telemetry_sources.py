@@ -323,7 +323,23 @@ def test_rapl_watts_from_energy_deltas(rapl_root: FakeRoot) -> None:
     set_energy(rapl_root, "intel-rapl:1", 2_000_000 + 50_000_000)
     assert rapl.read(root, 102.0) == {
         "rapl_package_0_w": 30.0, "rapl_package_0_core_w": 20.0,
-        "rapl_package_0_dram_w": 3.0, "rapl_package_1_w": 25.0, "pkg_power_w": 55.0}
+        "rapl_package_0_dram_w": 3.0, "rapl_package_1_w": 25.0, "pkg_power_w": 55.0,
+        "pkg_power_packages_w": [30.0, 25.0]}
+
+
+def test_rapl_gives_each_packages_power_and_limit_for_per_socket_caps(
+        rapl_root: FakeRoot) -> None:
+    for zone, uw in (("intel-rapl:0", 180_000_000), ("intel-rapl:1", 150_000_000)):
+        rapl_root.write(f"{PCAP}/{zone}/constraint_0_power_limit_uw", f"{uw}\n")
+    root = SysRoot(rapl_root.path)
+    rapl = Rapl()
+    rapl.start(root)
+    rapl.read(root, 100.0)
+    set_energy(rapl_root, "intel-rapl:0", 1_000_000 + 60_000_000)
+    set_energy(rapl_root, "intel-rapl:1", 2_000_000 + 50_000_000)
+    got = rapl.read(root, 102.0)
+    assert got["pkg_power_packages_w"] == [30.0, 25.0] and got["pkg_power_w"] == 55.0
+    assert got["pl1_packages_w"] == [180.0, 150.0] and got["pl1_w"] == 180.0
 
 
 def test_rapl_reads_package_0s_pl1_back(rapl_root: FakeRoot) -> None:

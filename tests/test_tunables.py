@@ -233,3 +233,23 @@ def test_cpufreq_unsupported_without_cpufreq_says_why(tmp_path):
     core = build_core(fake.path)
     support = core.tunables["cpufreq"].probe(core.root)
     assert not support.supported and "no cpufreq driver" in support.detail
+
+
+# -- rapl (PL1), per package -----------------------------------------------------------------
+
+def test_pl1_one_value_caps_every_package_a_list_each(tmp_path):
+    fake = FakeRoot(tmp_path).add_cpu(0).add_rapl(205, 0).add_rapl(190, 1)
+    zone = "sys/class/powercap/intel-rapl:{}/constraint_0_power_limit_uw"
+
+    def each():
+        assert [fake.read(zone.format(p)) for p in (0, 1)] == ["180000000", "150000000"]
+
+    apply_and_restore(fake, {"rapl": {"pl1_w": [180, 150]}}, each)
+
+    def both():
+        assert [fake.read(zone.format(p)) for p in (0, 1)] == ["170000000", "170000000"]
+
+    apply_and_restore(fake, {"rapl": {"pl1_w": 170}}, both)
+    core = build_core(fake.path)
+    skipped = core.tunables["rapl"].apply(core.root, {"pl1_w": [1, 2, 3]})
+    assert len(skipped) == 1 and "3 limits for 2 package(s)" in skipped[0].reason

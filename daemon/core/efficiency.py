@@ -169,6 +169,9 @@ class Observation:
     min_mhz: float | None = None
     pl1_w: float | None = None             # PL1 as read back
     pl1_firmware_w: float | None = None    # the firmware's PL1 (None: PL1 not writable)
+    pkg_power_packages_w: tuple | None = None     # per package (two sockets or more)
+    pl1_packages_w: tuple | None = None           # read back, per package
+    pl1_firmware_packages_w: tuple | None = None  # the firmware's, per package
 
 
 @dataclass
@@ -187,6 +190,10 @@ class _Window:
 
     def point(self) -> tuple[float, float, float]:
         return self.f / self.n, self.r / self.n, self.p / self.n
+
+
+def _watts(values: list[float]) -> str:
+    return "+".join(f"{v:.0f}" for v in values) + " W"
 
 
 def fit_inverse(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
@@ -493,41 +500,56 @@ class EfficiencyController:
                        {"mhz": want})]
 
     def _pl1_guard(self, o: Observation, throttled: bool) -> list[Action]:
-        """No frequency ceiling: hold the thermal limit with PL1, never above the firmware's."""
+        """No frequency ceiling: hold the thermal limit with PL1, never above the firmware's.
+        With several packages each gets its own cap, from its own power."""
         cfg = self.config
-        firmware = o.pl1_firmware_w
+        per_package = (o.pkg_power_packages_w is not None and o.pl1_firmware_packages_w
+                       is not None and len(o.pkg_power_packages_w) ==
+                       len(o.pl1_firmware_packages_w) > 1)
+        firmware = list(o.pl1_firmware_packages_w) if per_package else \
+            [o.pl1_firmware_w] if o.pl1_firmware_w is not None else None
         if not cfg.pl1 or firmware is None or o.pkg_power_w is None:
             return []
+        powers = list(o.pkg_power_packages_w) if per_package else [o.pkg_power_w]
+        read = list(o.pl1_packages_w or []) if per_package else \
+            [o.pl1_w] if o.pl1_w is not None else []
         written = self.params.get("rapl_pl1", {}).get("pl1_w")
-        if written is not None and o.pl1_w is not None and abs(o.pl1_w - written) > 1.0 and \
-                o.time_s - self._changed_s >= 1.0:
+        wrote = None if written is None else (written if isinstance(written, list) else [written])
+        if wrote is not None and len(read) == len(wrote) and o.time_s - self._changed_s >= 1.0 \
+                and any(abs(r - w) > 1.0 for r, w in zip(read, wrote)):
             # read back: the firmware ignores PL1 writes; stop using it (no limit cycle)
             self._refused.add("rapl_pl1")
             self.active.remove("rapl_pl1")
             self.params.pop("rapl_pl1")
-            return [Action("release", "rapl_pl1", f"PL1 reads back {o.pl1_w:.0f} W, not the "
-                           f"{written:.0f} W written: the firmware ignores it")]
+            return [Action("release", "rapl_pl1", f"PL1 reads back {_watts(read)}, not the "
+                           f"{_watts(wrote)} written: the firmware ignores it")]
         if "rapl_pl1" in self._refused:
             return []
         got = self.predict(o)
         if not throttled and (got is None or got[1] >= cfg.horizon_s):
             return []
-        current = float(written if written is not None else firmware)
-        base_p = self._base[1] if self._base else 0.25 * o.pkg_power_w
+        current = wrote if wrote is not None else firmware
+        base_total = self._base[1] if self._base else 0.25 * o.pkg_power_w
         scale = 0.9 if throttled or got is None else min(0.97, self._dynamic_scale(o, got[0]))
-        cap = base_p + (min(current, o.pkg_power_w) - base_p) * scale
-        cap = round(max(cfg.pl1_min_w, min(firmware, cap)), 1)
-        if cap >= current - 0.5 or o.time_s - self._changed_s < cfg.dwell_s:
+        caps = []
+        for power, now, top in zip(powers, current, firmware):
+            base = base_total * power / max(1e-9, sum(powers))   # idle power, split by share
+            cap = base + (min(now, power) - base) * scale
+            caps.append(round(max(cfg.pl1_min_w, min(top, cap)), 1))
+        if all(c >= n - 0.5 for c, n in zip(caps, current)) or \
+                o.time_s - self._changed_s < cfg.dwell_s:
             return []
+        caps = [min(c, n) for c, n in zip(caps, current)]        # only ever lowered
         self._changed_s = o.time_s
         self._temps = []
         if "rapl_pl1" not in self.active:
             self.active.append("rapl_pl1")
-        self.params["rapl_pl1"] = {"pl1_w": cap}
-        return [Action("apply", "rapl_pl1", f"PL1 {current:.0f} -> {cap:.0f} W (firmware "
-                       f"{firmware:.0f} W): " + ("the hardware throttled" if throttled else
-                                                f"limit predicted in {got[1]:.0f} s"),
-                       {"pl1_w": cap})]
+        value: float | list[float] = caps if per_package else caps[0]
+        self.params["rapl_pl1"] = {"pl1_w": value}
+        why = "the hardware throttled" if throttled else f"limit predicted in {got[1]:.0f} s"
+        return [Action("apply", "rapl_pl1", f"PL1 {_watts(current)} -> {_watts(caps)} (firmware "
+                       f"{_watts(firmware)}, from {_watts(powers)} drawn): {why}",
+                       {"pl1_w": value})]
 
     def _release_all(self, why: str) -> list[Action]:
         out = [Action("release", rung, why, dict(self.params.pop(rung, {})))

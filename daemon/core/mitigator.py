@@ -13,9 +13,9 @@ import logging
 from typing import Any, Callable
 
 from dsr1d.constants import (BUSY_MHZ, CEILING_MHZ, CPU_MAX_MHZ, CPU_MHZ, CPU_MIN_MHZ,
-                             ENGINE_TOKENS_PER_S, LIMIT_REASONS, ONLINE_CPUS, PKG_POWER_W,
-                             PKG_TEMP_C, PL1_W, TCC_OFFSET_C, THROTTLE_COUNT, THROTTLE_MS,
-                             TJ_MAX_C)
+                             ENGINE_TOKENS_PER_S, LIMIT_REASONS, ONLINE_CPUS,
+                             PKG_POWER_PACKAGES_W, PKG_POWER_W, PKG_TEMP_C, PL1_PACKAGES_W, PL1_W,
+                             TCC_OFFSET_C, THROTTLE_COUNT, THROTTLE_MS, TJ_MAX_C)
 from dsr1d.core.efficiency import Action, EfficiencyConfig, EfficiencyController, Observation
 from dsr1d.core.manager import Manager
 from dsr1d.core.tuning import ApplyFailed, TuningError
@@ -27,7 +27,8 @@ ChangeListener = Callable[[list[str]], None]
 
 
 def to_observation(values: dict[str, Any], start: float, threads: int | None = None,
-                   pl1_firmware_w: float | None = None) -> Observation:
+                   pl1_firmware_w: float | None = None,
+                   pl1_firmware_packages_w: list[float] | None = None) -> Observation:
     """The controller's view of one telemetry sample (missing values stay None)."""
     mhz = values.get(BUSY_MHZ)
     if mhz is None and values.get(CPU_MHZ):
@@ -43,7 +44,14 @@ def to_observation(values: dict[str, Any], start: float, threads: int | None = N
         limit_reasons=values.get(LIMIT_REASONS), online_cpus=values.get(ONLINE_CPUS),
         threads=threads, limit_temp_c=limit, ceiling_mhz=values.get(CEILING_MHZ),
         max_mhz=values.get(CPU_MAX_MHZ), min_mhz=values.get(CPU_MIN_MHZ),
-        pl1_w=values.get(PL1_W), pl1_firmware_w=pl1_firmware_w)
+        pl1_w=values.get(PL1_W), pl1_firmware_w=pl1_firmware_w,
+        pkg_power_packages_w=_tuple(values.get(PKG_POWER_PACKAGES_W)),
+        pl1_packages_w=_tuple(values.get(PL1_PACKAGES_W)),
+        pl1_firmware_packages_w=_tuple(pl1_firmware_packages_w))
+
+
+def _tuple(values: Any) -> tuple | None:
+    return tuple(float(v) for v in values) if isinstance(values, (list, tuple)) else None
 
 
 def overlay_for(action: Action) -> dict[str, dict] | None:
@@ -52,7 +60,10 @@ def overlay_for(action: Action) -> dict[str, dict] | None:
         return {"cpufreq": {"max_mhz": int(round(action.params["mhz"]))}}
     if action.rung == "rapl_pl1":
         # Within the [rapl] schema's range: a wild power reading must not become a wild knob.
-        return {"rapl": {"pl1_w": min(2000, max(1, int(round(action.params["pl1_w"]))))}}
+        watts = action.params["pl1_w"]
+        each = [min(2000, max(1, int(round(w)))) for w in
+                (watts if isinstance(watts, list) else [watts])]
+        return {"rapl": {"pl1_w": each if isinstance(watts, list) else each[0]}}
     return None
 
 
@@ -67,6 +78,7 @@ class Mitigator:
         self.evidence: dict[str, Any] = {}
         self.start: float | None = None
         self.pl1_firmware_w: float | None = None
+        self.pl1_firmware_packages_w: list[float] | None = None
         self.state_listeners: list[StateListener] = []
         self.change_listeners: list[ChangeListener] = []
 
@@ -94,10 +106,12 @@ class Mitigator:
         if "rapl_pl1" not in self.controller.active and values.get(PL1_W) is not None:
             # the limit before this controller lowered it: never raised above
             self.pl1_firmware_w = float(values[PL1_W])
+            packages = values.get(PL1_PACKAGES_W)
+            self.pl1_firmware_packages_w = [float(v) for v in packages] if packages else None
         before = list(self.active)
         observation = to_observation(values, self.start,
                                      self.threads() if self.threads else None,
-                                     self.pl1_firmware_w)
+                                     self.pl1_firmware_w, self.pl1_firmware_packages_w)
         for action in self.controller.step(observation):
             self._act(action)
         if self.controller.state != self.state:
@@ -137,5 +151,6 @@ def _describe(rung: str, params: dict[str, Any]) -> str:
     if rung == "freq_ceiling" and "mhz" in params:
         return f"freq_ceiling {params['mhz']:.0f} MHz"
     if rung == "rapl_pl1" and "pl1_w" in params:
-        return f"rapl_pl1 {params['pl1_w']:.0f} W"
+        watts = params["pl1_w"] if isinstance(params["pl1_w"], list) else [params["pl1_w"]]
+        return "rapl_pl1 " + "+".join(f"{w:.0f}" for w in watts) + " W"
     return rung
