@@ -102,7 +102,7 @@ def test_sustained_includes_throughput(store: ProfileStore) -> None:
     assert sustained["engine"] == throughput["engine"]
     assert sustained["epb"] == {"epb": "balance-performance", "epp": "balance_performance"}
     assert sustained["cstate"] == {"max_latency_us": 20, "disable_deeper_than_us": 20}
-    assert sustained["mitigation"] == {"enabled": True, "delta_percent": 2.0, "limit_margin_c": 3.0}
+    assert sustained["mitigation"] == {"enabled": True, "delta_percent": 2.0, "limit_margin_c": 1.5}
     assert store.load("sustained").summary.startswith("sustained throughput")
 
 

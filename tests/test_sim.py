@@ -188,7 +188,7 @@ def test_profile_mitigation_section_builds_a_controller_config(tmp_path):
     section = build_core(fake.path).store.load("cool").sections["mitigation"]
     config = EfficiencyConfig.from_section(section)
     assert (config.delta_percent, config.probe_bins, config.pl1, config.limit_temp_c,
-            config.limit_margin_c) == (5.0, 3, False, 92.5, 3.0)
+            config.limit_margin_c) == (5.0, 3, False, 92.5, 1.5)
 
 
 @pytest.mark.parametrize("args, why", [

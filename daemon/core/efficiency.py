@@ -36,11 +36,18 @@ order lag, ``T[k+1] = alpha T[k] + c``: ``T_ss = c / (1 - alpha)``, ``tau = -dt 
 and the time to the set point ``t_hit = tau ln((T_ss - T) / (T_ss - T_set))``. When ``t_hit`` is
 under ``horizon_s`` (or the package is already there) the power that would settle at the set point
 is ``P_set = P_base + (P - P_base) (T_set - T_base) / (T_ss - T_base)`` (``T_base``/``P_base``:
-the idle package before decode), and the frequency for it comes from ``P ~ p0 + k f^2.5``. Hardware
-throttle evidence (throttle time rising, thermal limit-reason bits) lowers the ceiling one bin at
-once: the guard was late. The guard is relaxed a bin at a time while the temperature predicted
-one bin up (the heat over the idle package scaled by ``(f'/f)^2.5``) stays under the set point,
-at most one bin per ``horizon_s / 2``. The ceiling applied is
+the idle package before decode), and the frequency for it comes from ``P ~ p0 + k f^2.5``; with
+more than a quarter of the horizon left the cut is one bin and the next decision sees a fresh fit
+(a fit over a short stretch takes the die and the heat sink's slow rise for one lag and
+overshoots ``T_ss``). Hardware throttle evidence (throttle time rising, thermal limit-reason
+bits) lowers the ceiling one bin at once: the guard was late. The guard is relaxed a bin at a
+time while the temperature predicted one bin up stays under the set point, at most one bin per
+``horizon_s / 2``: the heat over the idle package is taken as proportional to the power over it,
+and the power one bin up comes from the measured windows' slope dP/df (``(f'/f)^2.5`` of the
+dynamic power when they do not span a bin). The set point sits ``limit_margin_c`` (1.5 °C)
+under the limit: over a 1 °C sensor reading and the TCC's own hysteresis (0.5–2 °C), and every
+degree further under costs frequency on a plant the heat limits (about 25 MHz a degree on the
+ensemble's heat sinks). The ceiling applied is
 ``min(f_energy, f_thermal)``, in whole bins of ``step_mhz``.
 
 Counters that jump when a CPU comes online (its boot-time throttle counts) are rebased, not read
@@ -57,6 +64,7 @@ from typing import Any, Mapping
 
 STATES = ("none", "learning", "efficient", "mitigating", "throttling", "recovering")
 RUNGS = ("freq_ceiling", "rapl_pl1")
+URGENT_FRACTION = 0.25          # t_hit under this share of the horizon: cut at once
 POWER_EXPONENT = 2.5            # dynamic power ~ V(f)^2 f with V rising with f
 DEFAULT_LIMIT_C = 95.0
 
@@ -85,7 +93,7 @@ class EfficiencyConfig:
                                     "this decode showed", 0.0, 50.0, "%")
     limit_temp_c: float = _setting(0.0, "thermal limit; 0 = the hardware's TjMax minus the TCC "
                                    "offset (95 °C where unknown)", 0.0, 125.0, "°C")
-    limit_margin_c: float = _setting(3.0, "hold the package this far under the limit", 0.0,
+    limit_margin_c: float = _setting(1.5, "hold the package this far under the limit", 0.0,
                                      30.0, "°C")
     horizon_s: float = _setting(60.0, "act when the limit is predicted sooner than this", 0.0,
                                 3600.0, "s")
@@ -446,9 +454,12 @@ class EfficiencyController:
         t_ss, t_hit = got
         t_set = self._set_c(o)
         if t_hit < cfg.horizon_s:
+            # a fit over a short stretch sees the die and the sink's slow rise as one lag and
+            # overshoots T_ss: with time left, one bin and a fresh fit; a big cut only when close
+            bins = cfg.max_move_bins if t_hit < cfg.horizon_s * URGENT_FRACTION else 1
             scale = self._dynamic_scale(o, t_ss)
             want = self._bin_down(o.busy_mhz * scale ** (1 / POWER_EXPONENT), o)
-            want = max(want, self._applied_mhz(o) - cfg.max_move_bins * cfg.step_mhz)
+            want = max(want, self._applied_mhz(o) - bins * cfg.step_mhz)
             if self._thermal_mhz is not None and want >= self._thermal_mhz:
                 return None
             if want >= self._applied_mhz(o):
@@ -460,15 +471,34 @@ class EfficiencyController:
         # sees mostly the die, so a quick relax would undo what the sink needs
         if self._thermal_mhz is not None and math.isfinite(t_ss) and \
                 o.time_s - self._changed_s >= cfg.horizon_s / 2:
-            base_t = self._base[0] if self._base else min(t for _, t in self._temps) - 5.0
             up = self._thermal_mhz + cfg.step_mhz
-            t_up = base_t + (t_ss - base_t) * (up / max(1.0, o.busy_mhz)) ** POWER_EXPONENT
+            t_up = self._temp_at(o, t_ss, up)
             if t_up >= t_set:
                 return None
             self._thermal_mhz = None if up >= float(o.max_mhz) else up
             return (f"thermal relaxed: settling at {t_ss:.1f} °C, {t_up:.1f} °C predicted one bin "
                     f"up, under {t_set:.1f} °C")
         return None
+
+    def _temp_at(self, o: Observation, t_ss: float, mhz: float) -> float:
+        """Where the package would settle at ``mhz``: the heat over the idle package is taken as
+        proportional to the power over it, and the power at ``mhz`` comes from the measured
+        windows' slope dP/df where they span a bin or more (else ``P ~ f^2.5`` over the idle)."""
+        assert o.pkg_power_w is not None and o.busy_mhz
+        base_t, base_p = self._base or (min(t for _, t in self._temps) - 5.0,
+                                         0.25 * o.pkg_power_w)
+        now = o.pkg_power_w - base_p
+        if now <= 0:
+            return t_ss
+        pts = [(f, w) for f, _, w in self._points if w > 0]
+        fs = [f for f, _ in pts]
+        if fs and max(fs) - min(fs) >= self.config.step_mhz * 0.9:
+            mf, mw = sum(fs) / len(fs), sum(w for _, w in pts) / len(pts)
+            slope = sum((f - mf) * (w - mw) for f, w in pts) / sum((f - mf) ** 2 for f in fs)
+            extra = max(0.0, slope) * (mhz - o.busy_mhz)
+        else:
+            extra = now * ((mhz / o.busy_mhz) ** POWER_EXPONENT - 1)
+        return base_t + (t_ss - base_t) * (now + extra) / now
 
     def _dynamic_scale(self, o: Observation, t_ss: float) -> float:
         """How much of today's dynamic power (over the idle package's) settles at the set point."""
