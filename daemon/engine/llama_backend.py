@@ -28,6 +28,10 @@ from dsr1d.textstream import IncrementalDecoder, ThinkSplitter, emit
 
 DEFAULT_CONTEXT = 16384
 MEMORY_HEADROOM = 0.9
+# llama.cpp sizes its compute buffer for a whole micro-batch's worth of tokens (302 MiB at 512
+# for a 152k vocabulary); prefill on a CPU is compute-bound at far fewer tokens, so 128 costs
+# it nothing measurable and keeps a quarter of that memory
+UBATCH = 128
 # When a file carries no chat template: DeepSeek-R1's turns (no system prompt, as advised).
 R1_USER = "<｜User｜>{content}"
 R1_ASSISTANT = "<｜Assistant｜>{content}<｜end▁of▁sentence｜>"
@@ -91,7 +95,7 @@ class LlamaGenerator:
         try:
             # own_kv False: a Batcher holds the KV caches; this context only tokenizes
             self.llm = Llama(model_path=str(info.path),
-                             n_ctx=self.context if own_kv else 64, n_batch=512,
+                             n_ctx=self.context if own_kv else 64, n_batch=512, n_ubatch=UBATCH,
                              n_threads=threads, n_threads_batch=threads, use_mmap=use_mmap,
                              verbose=False)
         except (ValueError, RuntimeError) as exc:
