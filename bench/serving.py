@@ -13,7 +13,8 @@ calls made while 4 streams decode (p50/p99). Never passes or fails.
 
 The peer is run as a user runs it: ``python -m llama_cpp.server --model M --n_threads T``
 (needs ``pip install fastapi uvicorn sse-starlette starlette-context pydantic-settings``), on
-TCP at 127.0.0.1. dsr1d runs as ``dsr1d run`` on a private bus with ``--root /``, a scratch
+TCP at 127.0.0.1; by default it abandons a running request when a new one arrives, so it is run
+a second time with ``--interrupt_requests False`` (each request to its end, one at a time). dsr1d runs as ``dsr1d run`` on a private bus with ``--root /``, a scratch
 journal and an empty profile (no knob changes), ``engine_parallel = 8``.
 
 Usage: .venv/bin/python bench/serving.py [--model GGUF] [--tokens 256] [--threads N]
@@ -181,7 +182,7 @@ def health_under_load(http: Any, client: Any, model: str, tokens: int) -> dict[s
             "p99_ms": pct(latencies, 99) * 1000}
 
 
-def run_peer(model: Path, threads: int, tokens: int) -> dict[str, Any]:
+def run_peer(model: Path, threads: int, tokens: int, *flags: str) -> dict[str, Any]:
     import openai
 
     from dsr1d.engine.gguf_file import inspect_gguf
@@ -192,7 +193,7 @@ def run_peer(model: Path, threads: int, tokens: int) -> dict[str, Any]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(model),
                              "--n_threads", str(threads), "--n_ctx", "2048", "--host",
-                             "127.0.0.1", "--port", str(port)],
+                             "127.0.0.1", "--port", str(port), *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     out: dict[str, Any] = {}
     try:
@@ -203,8 +204,8 @@ def run_peer(model: Path, threads: int, tokens: int) -> dict[str, Any]:
         stream_once(client, model_id, 8, 0, extra)
         for n in LEVELS:
             out[n] = level(client, model_id, n, tokens, extra)
-            print(f"  llama_cpp.server {n} stream(s): {out[n]['aggregate_tok_s']:.2f} tok/s",
-                  flush=True)
+            print(f"  llama_cpp.server {' '.join(flags)} {n} stream(s): "
+                  f"{out[n]['aggregate_tok_s']:.2f} tok/s", flush=True)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -226,10 +227,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ours = run_dsr1d(args.model, args.threads, args.tokens, Path(tmp))
     peer = run_peer(args.model, args.threads, args.tokens)
+    # as one would run it for several users: each request runs to its end, one at a time
+    queued = run_peer(args.model, args.threads, args.tokens, "--interrupt_requests", "False")
 
     print(f"\n{'server':18} {'streams':>7} {'tokens':>6} {'agg tok/s':>9} {'per-stream':>10} "
           f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}")
-    for name, runs in (("dsr1d", ours), ("llama_cpp.server", peer)):
+    for name, runs in (("dsr1d", ours), ("llama_cpp.server", peer),
+                       ("  no interrupts", queued)):
         for n in LEVELS:
             r = runs[n]
             print(f"{name:18} {n:7d} {r['tokens']:6d} {r['aggregate_tok_s']:9.2f} "
@@ -249,10 +253,14 @@ def main() -> None:
           f"{h['p50_ms']:.2f} ms, p99 {h['p99_ms']:.2f} ms")
     print(f"at 4 streams: {ours[4]['aggregate_tok_s'] / ours[1]['aggregate_tok_s']:.2f}x our "
           f"single stream, {ours[4]['aggregate_tok_s'] / peer[4]['aggregate_tok_s']:.2f}x the "
-          f"peer's")
+          f"peer's ({ours[4]['aggregate_tok_s'] / queued[4]['aggregate_tok_s']:.2f}x without "
+          f"interrupts); TTFT p50 at 4 streams {ours[4]['ttft_p50_s'] * 1000:.0f} ms vs "
+          f"{peer[4]['ttft_p50_s'] * 1000:.0f} ms ({queued[4]['ttft_p50_s'] * 1000:.0f} ms "
+          f"without interrupts)")
     for name, ok in targets.items():
         print(f"target {name}: {'met' if ok else 'MISSED'}")
-    print(json.dumps({"engine_tok_s": engine, "dsr1d": ours, "peer": peer, "targets": targets},
+    print(json.dumps({"engine_tok_s": engine, "dsr1d": ours, "peer": peer,
+                      "peer_no_interrupts": queued, "targets": targets},
                      indent=1, default=str))
 
 

@@ -24,8 +24,14 @@ Five sources, each available or not on its own:
 - ``cpufreq_limits`` — ``cpufreq/{cpuinfo_max_freq,cpuinfo_min_freq,scaling_max_freq}``:
   ``cpu_max_mhz``, ``cpu_min_mhz`` (CPU 0's range) and ``ceiling_mhz`` (the lowest
   ``scaling_max_freq`` of the online CPUs): what a frequency ceiling can do.
+- ``aperf`` — IA32_APERF / IA32_MPERF (0xE8 / 0xE7, Intel and AMD) and the TSC (0x10) of every
+  online CPU, as turbostat computes its columns: ``busy_mhz`` = TSC rate × ΣΔAPERF / ΣΔMPERF
+  (MPERF counts only while a CPU is awake, so an idle CPU weighs nothing and cannot dilute the
+  decoding CPUs' clock), ``busy_percent`` = ΣΔMPERF / ΣΔTSC, ``cpu_mhz`` (list, each CPU's own,
+  0 for a CPU that slept through the interval). Needs two readings; not read while turbostat
+  measures ``busy_mhz``.
 - ``cpufreq`` — ``cpufreq/scaling_cur_freq`` (kHz): ``cpu_mhz`` (list, by CPU number) and
-  ``cpu_mhz_avg``; a fallback: not read at all while turbostat measures ``cpu_mhz``.
+  ``cpu_mhz_avg``; a fallback: not read at all while turbostat or ``aperf`` measures ``cpu_mhz``.
 """
 
 from __future__ import annotations
@@ -34,13 +40,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsr1d.constants import (CEILING_MHZ, CPU_MAX_MHZ, CPU_MHZ, CPU_MIN_MHZ, LIMIT_REASONS,
+from dsr1d.constants import (BUSY_MHZ, CEILING_MHZ, CPU_MAX_MHZ, CPU_MHZ, CPU_MIN_MHZ, LIMIT_REASONS,
                              ONLINE_CPUS, PKG_TEMP_C, TCC_OFFSET_C, THROTTLE_COUNT, THROTTLE_MS,
                              TJ_MAX_C)
 from dsr1d.contract.hookspecs import hookimpl
 from dsr1d.contract.sysroot import CPU_DIR, SysRoot
-from dsr1d.contract.telemetry import UNAVAILABLE, Unavailable, describe_oserror, msr_reader, \
-    read_int, sanitize
+from dsr1d.contract.telemetry import UNAVAILABLE, Pending, Unavailable, describe_oserror, \
+    msr_reader, read_int, sanitize
 from dsr1d.contract.tunable import Support
 
 THERMAL = "sys/class/thermal"
@@ -49,6 +55,9 @@ IA32_THERM_STATUS = 0x19C
 MSR_TEMPERATURE_TARGET = 0x1A2
 MSR_CORE_PERF_LIMIT_REASONS = 0x64F
 IA32_PACKAGE_THERM_STATUS = 0x1B1
+IA32_TIME_STAMP_COUNTER = 0x10
+IA32_MPERF = 0xE7
+IA32_APERF = 0xE8
 
 
 def _num(path: str) -> int:
@@ -408,6 +417,66 @@ class MsrThermStatus(_Cached):
         return out
 
 
+# -- APERF / MPERF -------------------------------------------------------------------------------
+
+
+class AperfMperf(_Cached):
+    name = "aperf"
+    summary = "busy MHz and Busy% from IA32_APERF/IA32_MPERF and the TSC (as turbostat computes them)"
+    priority = 50
+    provides = frozenset({BUSY_MHZ})  # not read while turbostat measures busy_mhz
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: tuple[float, dict[int, tuple[int, int, int]]] | None = None
+
+    def discover(self, root: SysRoot) -> list[tuple[int, Any]]:
+        self.last = None            # another set of CPUs: the deltas start again
+        return [(cpu, msr_reader(root, cpu)) for cpu in root.online_cpus()]
+
+    def probe(self, root: SysRoot) -> Support:
+        cpus = root.online_cpus() or [0]
+        if not root.msr_available(cpus[0]):
+            return Support(False, f"{root.display(root.msr_path(cpus[0]))} is missing "
+                                  "(modprobe msr; not in VMs)")
+        for reg in (IA32_TIME_STAMP_COUNTER, IA32_MPERF, IA32_APERF):
+            try:
+                root.read_msr(cpus[0], reg)
+            except OSError as exc:
+                return Support(False, f"cannot read MSR {reg:#x}: " + describe_oserror(exc))
+        return Support(True, f"{len(cpus)} CPUs")
+
+    def read(self, root: SysRoot, now: float) -> dict[str, Any]:
+        counters: dict[int, tuple[int, int, int]] = {}
+        for cpu, read_msr in self._paths(root):
+            try:
+                counters[cpu] = (read_msr(IA32_TIME_STAMP_COUNTER), read_msr(IA32_MPERF),
+                                 read_msr(IA32_APERF))
+            except OSError as exc:
+                self.found = None
+                raise Unavailable(f"cpu{cpu}: " + describe_oserror(exc)) from None
+        last, self.last = self.last, (now, counters)
+        if last is None or set(last[1]) != set(counters):
+            raise Pending("a first reading of APERF/MPERF (busy MHz needs two)")
+        seconds = now - last[0]
+        deltas = {cpu: tuple(b - a for a, b in zip(last[1][cpu], c))
+                  for cpu, c in sorted(counters.items())}
+        if seconds <= 0 or any(t <= 0 or m < 0 or a < 0 for t, m, a in deltas.values()):
+            raise Pending("APERF/MPERF went back (a wrap or a reset): measuring again")
+        tsc = sum(t for t, _, _ in deltas.values())
+        mperf = sum(m for _, m, _ in deltas.values())
+        aperf = sum(a for _, _, a in deltas.values())
+        if mperf == 0:
+            raise Unavailable("every CPU slept through the interval (MPERF did not move)")
+        # Bzy_MHz as turbostat has it: the TSC's rate times the awake cycles' APERF/MPERF
+        return {
+            BUSY_MHZ: round(tsc / len(deltas) / seconds * aperf / mperf / 1e6, 1),
+            "busy_percent": round(100.0 * mperf / tsc, 2),
+            CPU_MHZ: [round(t / seconds * a / m / 1e6, 1) if m else 0.0
+                      for t, m, a in deltas.values()],
+        }
+
+
 # -- cpufreq -------------------------------------------------------------------------------------
 
 
@@ -490,5 +559,6 @@ def register_telemetry_sources(register: Any) -> None:
     register(Hwmon())
     register(ThrottleCounters())
     register(MsrThermStatus())
+    register(AperfMperf())
     register(CpufreqMhz())
     register(CpufreqLimits())

@@ -207,10 +207,42 @@ def test_continuous_batching_gives_each_sequence_its_own_greedy_text(
     # last prompt token (prompt caching), and still gives the same text
     # (slot 0 went to the fourth prompt; slot 1 still holds the second's)
     again = batcher.admit(9, prompts[1], {**opts, "max_new_tokens": 1}, None, lambda: False)
-    first = again[0][1]
+    assert again == []                       # its last prompt token is a row of the next step
+    first = dict(batcher.step())[9]
     assert first.stats["slot"] == 1
     assert first.stats["cached_prompt_tokens"] == len(gen.encode(prompts[1])) - 1
     assert alone[1].startswith(first.text)
+    batcher.close()
+
+
+def test_requests_sharing_a_prompt_share_its_kv_cache_and_their_first_step(
+        ggufs: dict[str, Path]) -> None:
+    from dsr1d.engine.llama_batch import Batcher
+
+    gen = llama_backend.load(ggufs["int8"], threads=2, context=512, parallel=3)
+    single = llama_backend.load(ggufs["int8"], threads=2, context=512)
+    system = "You are a careful assistant who answers in one short paragraph. "
+    prompts = [system + "Why is the sky blue?", system + "Why is the sky blue?",
+               system + "What is a prime number?"]
+    opts = {"greedy": True, "ignore_eos": True, "max_new_tokens": 12}
+    alone = [single.generate(p, opts).text for p in prompts]
+    batcher = Batcher(gen, 3)
+    results: dict[int, object] = {}
+    for job, prompt in enumerate(prompts):    # arriving together, as from three users
+        results.update(batcher.admit(job, prompt, opts, None, lambda: False))
+    first_step = batcher.step()
+    assert all(batcher.active[s].first > 0 for s in batcher.active)   # everyone has a token
+    results.update(first_step)
+    while batcher.active:
+        results.update(batcher.step())
+    assert [results[j].text for j in range(3)] == alone
+    ids = [gen.encode(p) for p in prompts]
+    assert results[0].stats["cached_prompt_tokens"] == 0
+    # the same prompt: all but its last token copied from the running sequence
+    assert results[1].stats["cached_prompt_tokens"] == len(ids[1]) - 1
+    # another question after the same system prompt: the shared part copied
+    shared = next(i for i, (a, b) in enumerate(zip(ids[0], ids[2])) if a != b)
+    assert results[2].stats["cached_prompt_tokens"] == shared
     batcher.close()
 
 

@@ -25,7 +25,7 @@ from dsr1d.contract.hookspecs import hookimpl
 from dsr1d.core.plugin_manager import collect_tunables, make_manager
 from dsr1d.plugins.procstat import ProcStat
 from dsr1d.plugins.rapl import CVE_NOTE, Rapl
-from dsr1d.plugins.thermal import CpufreqLimits, CpufreqMhz, Hwmon, MsrThermStatus, ThermalZones, \
+from dsr1d.plugins.thermal import AperfMperf, CpufreqLimits, CpufreqMhz, Hwmon, MsrThermStatus, ThermalZones, \
     ThrottleCounters
 from dsr1d.contract.sysroot import SysRoot
 from dsr1d.contract.telemetry import Unavailable
@@ -560,6 +560,48 @@ def test_msr_thermal_status_bits(hot_box: FakeRoot) -> None:
     assert (got["limit_reasons"], got["tj_max_c"], got["tcc_offset_c"]) == (0x0402, 100, 5)
 
 
+def test_aperf_mperf_give_the_busy_clock_of_the_cpus_that_work(hot_box: FakeRoot) -> None:
+    root = SysRoot(hot_box.path)
+    src = AperfMperf()
+    assert "msr" in src.probe(root).detail              # no dev/cpu/N/msr: unsupported
+
+    def counters(seconds: float, busy: dict[int, tuple[float, float]]) -> None:
+        # a 2,000 MHz TSC; ``busy`` CPU: (share of the time awake, clock in MHz while awake)
+        for cpu in range(4):
+            awake, mhz = busy.get(cpu, (0.0, 0.0))
+            tsc = int(2_000e6 * seconds)
+            write_msr(hot_box, cpu, 0x10, 10**12 + tsc)
+            write_msr(hot_box, cpu, 0xE7, 10**11 + int(tsc * awake))
+            write_msr(hot_box, cpu, 0xE8, 10**11 + int(mhz * 1e6 * seconds * awake))
+
+    counters(0, {})
+    assert src.probe(root).supported
+    src.start(root)
+    with pytest.raises(Unavailable, match="first reading"):
+        src.read(root, 100.0)
+    # CPUs 0 and 1 decode at 3,100 MHz; 2 and 3 wake now and then at 800 MHz: they weigh
+    # next to nothing, where a plain mean of per-CPU clocks would say 1,950 MHz
+    counters(1, {0: (1.0, 3100.0), 1: (1.0, 3100.0), 2: (0.01, 800.0), 3: (0.01, 800.0)})
+    got = src.read(root, 101.0)
+    assert 3070 < got["busy_mhz"] <= 3100
+    assert got["busy_percent"] == pytest.approx(50.5, abs=0.01)
+    assert got["cpu_mhz"] == [3100.0, 3100.0, 800.0, 800.0]
+    counters(0.5, {0: (1.0, 3100.0)})                  # the counters went back: a reset
+    with pytest.raises(Unavailable, match="went back"):
+        src.read(root, 102.0)
+
+
+def test_without_a_busy_clock_idle_cpus_do_not_dilute_cpufreq_mhz() -> None:
+    from dsr1d.core.mitigator import busy_mhz
+
+    two_busy = {"cpu_mhz": [3100.0, 3100.0, 800.0, 800.0],
+                "cpu_util_percent": [100.0, 100.0, 0.5, 0.5]}
+    assert busy_mhz(two_busy) == pytest.approx(3088.6, abs=0.1)
+    assert busy_mhz({**two_busy, "busy_mhz": 2900.0}) == 2900.0      # a measured one wins
+    assert busy_mhz({"cpu_mhz": [3000.0, 1000.0]}) == 2000.0          # no utilisation: a mean
+    assert busy_mhz({}) is None
+
+
 def test_throttle_time_and_a_cpu_coming_online_rediscovers(hot_box: FakeRoot) -> None:
     root = SysRoot(hot_box.path)
     for cpu, ms in ((0, 120), (1, 340)):
@@ -710,8 +752,8 @@ def test_builtin_sources_and_unchanged_tunables() -> None:
     pm = make_manager()
     assert list(collect_tunables(pm)) == ["cpufreq", "cstate", "epb", "prefetcher", "rapl", "thp",
                                          "turbo"]
-    assert list(collect_sources(pm)) == ["turbostat", "rapl", "hwmon", "thermal_zones",
-                                         "throttle", "msr_throttle", "cpufreq",
+    assert list(collect_sources(pm)) == ["turbostat", "rapl", "hwmon", "aperf",
+                                         "thermal_zones", "throttle", "msr_throttle", "cpufreq",
                                          "cpufreq_limits", "procstat"]
 
 

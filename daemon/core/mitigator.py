@@ -30,9 +30,7 @@ def to_observation(values: dict[str, Any], start: float, threads: int | None = N
                    pl1_firmware_w: float | None = None,
                    pl1_firmware_packages_w: list[float] | None = None) -> Observation:
     """The controller's view of one telemetry sample (missing values stay None)."""
-    mhz = values.get(BUSY_MHZ)
-    if mhz is None and values.get(CPU_MHZ):
-        mhz = sum(values[CPU_MHZ]) / len(values[CPU_MHZ])
+    mhz = busy_mhz(values)
     limit = None
     if values.get(TJ_MAX_C) is not None:
         limit = float(values[TJ_MAX_C]) - float(values.get(TCC_OFFSET_C) or 0)
@@ -48,6 +46,20 @@ def to_observation(values: dict[str, Any], start: float, threads: int | None = N
         pkg_power_packages_w=_tuple(values.get(PKG_POWER_PACKAGES_W)),
         pl1_packages_w=_tuple(values.get(PL1_PACKAGES_W)),
         pl1_firmware_packages_w=_tuple(pl1_firmware_packages_w))
+
+
+def busy_mhz(values: dict[str, Any]) -> float | None:
+    """The decoding CPUs' clock: turbostat's or APERF/MPERF's busy MHz (idle CPUs weigh nothing
+    there); else cpufreq's per-CPU MHz weighted by each CPU's utilisation, so that idle CPUs do
+    not dilute it (a plain mean where the two lists do not match)."""
+    if values.get(BUSY_MHZ) is not None:
+        return float(values[BUSY_MHZ])
+    mhz, util = values.get(CPU_MHZ), values.get("cpu_util_percent")
+    if not mhz:
+        return None
+    if util and len(util) == len(mhz) and sum(util) > 0:
+        return sum(m * u for m, u in zip(mhz, util)) / sum(util)
+    return sum(mhz) / len(mhz)
 
 
 def _tuple(values: Any) -> tuple | None:

@@ -14,6 +14,7 @@ the longest prefix with it, so a shared system prompt or an earlier turn is not 
 
 from __future__ import annotations
 
+import ctypes
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -24,6 +25,8 @@ from dsr1d.engine.request import DEFAULTS, OnText, Prompt, Result, check_budget,
 from dsr1d.textstream import IncrementalDecoder, ThinkSplitter, emit
 
 PREFILL_CHUNK = 512
+SHARE_MIN = 8          # a shared prefix this much longer than the slot's own is copied over
+SHARE_SLACK = 1024     # ...from a sequence no more than this many tokens past it
 
 
 @dataclass
@@ -82,14 +85,20 @@ class Batcher:
         opts = {**DEFAULTS, **options}
         ids = self.gen.encode(prompt)
         check_budget(len(ids), int(opts["max_new_tokens"]), self.gen.context)
+        start = time.perf_counter()
         slot, common = max(((s, _common(self.cached[s], ids[:-1])) for s in self.free),
                            key=lambda sc: sc[1])
+        common = self._share(slot, ids[:-1], common)
         self.lib.llama_memory_seq_rm(self.memory, slot, common, -1)
         self.cached[slot] = ids[:common]
         seq = Sequence(job, slot, ids, opts, self.gen._sampler(opts), on_text, cancelled,
-                       IncrementalDecoder(self.gen.detokenize), start=time.perf_counter(),
-                       cached=common)
+                       IncrementalDecoder(self.gen.detokenize), start=start, cached=common)
         self.active[slot] = seq
+        if common == len(ids) - 1:
+            # only the last prompt token is left: it is a row of the next step, decoded with
+            # every running sequence's token in one call, not a call of its own
+            seq.token, seq.pos = ids[-1], common
+            return []
         for begin in range(common, len(ids), PREFILL_CHUNK):
             chunk = ids[begin:begin + PREFILL_CHUNK]
             last = begin + len(chunk) == len(ids)
@@ -112,11 +121,36 @@ class Batcher:
         running = list(self.active.values())
         self._fill([(s.token, s.pos, s.slot, True) for s in running])
         self._decode()
+        now = time.perf_counter()
         for i, seq in enumerate(running):
             self.cached[seq.slot].append(seq.token)
             seq.pos += 1
             seq.token = self._sample(seq, i)
+            seq.first = seq.first or now
         return self._advance(running)
+
+    def _share(self, slot: int, prefix: list[int], have: int) -> int:
+        """Copy into ``slot`` the KV cache of the running sequence sharing most of ``prefix``
+        when that beats the ``have`` tokens ``slot`` holds already (several users, one system
+        prompt; the same question twice at once); how many tokens of it ``slot`` now holds."""
+        best, common = -1, have
+        for other, seq in self.active.items():
+            n = _common(self.cached[other], prefix)
+            # the copy takes the whole sequence, so not one that has run on far past its prompt
+            if n >= common + SHARE_MIN and len(self.cached[other]) <= n + SHARE_SLACK:
+                best, common = other, n
+        if best < 0:
+            return have
+        lib, ctx = self.lib, self.ctx
+        size = lib.llama_state_seq_get_size(ctx, best)
+        buf = (ctypes.c_uint8 * size)()
+        written = lib.llama_state_seq_get_data(ctx, buf, size, best)
+        lib.llama_memory_seq_rm(self.memory, slot, -1, -1)
+        if not written or lib.llama_state_seq_set_data(ctx, buf, written, slot) != written:
+            lib.llama_memory_seq_rm(self.memory, slot, -1, -1)
+            self.cached[slot] = []
+            return 0
+        return common
 
     def _advance(self, running: list[Sequence]) -> list[tuple[int, Result]]:
         """Take each sequence's sampled token; the ones that end leave."""
