@@ -2,7 +2,9 @@
 own OpenAI server, the same GGUF, the real ``openai`` client, 1/2/4/8 concurrent streams.
 
 One run, interleaved by concurrency level: per level, every stream asks for ``--tokens`` (256)
-new tokens of the 1.5B synthetic model in Q4_0 (``bench/inference.py`` writes it under
+new tokens of the 1.5B synthetic model in Q4_0 with the same prompt (so from the second level
+on a server that caches prompts has it cached), then once more 4 streams with 4 distinct
+prompts never sent before (the same opening, a different last sentence) (``bench/inference.py`` writes it under
 /var/tmp/dsr1d-bench), streamed. Printed per server and level: aggregate decode tok/s (all
 streams' tokens over the wall time from the first request to the last token), per-stream
 time-to-first-token and inter-token latency p50/p99 (streamed chunks: one a token, except
@@ -53,14 +55,14 @@ def pct(values: list[float], q: float) -> float | None:
 
 
 def stream_once(client: Any, model: str, tokens: int, seed: int,
-                extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                extra: dict[str, Any] | None = None, prompt: str = PROMPT) -> dict[str, Any]:
     """One streamed chat completion: TTFT, inter-token gaps, tokens (the usage figure where the
     server sends one, else the chunks)."""
     start = time.perf_counter()
     times: list[float] = []
     usage = None
     with client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=tokens,
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=tokens,
             temperature=0.6, seed=seed, stream=True, stream_options={"include_usage": True},
             extra_body=extra or {}) as stream:
         for chunk in stream:
@@ -78,11 +80,16 @@ def stream_once(client: Any, model: str, tokens: int, seed: int,
             "chunks": len(times), "decode_tok_s": decode}
 
 
-def level(client: Any, model: str, n: int, tokens: int,
-          extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def level(client: Any, model: str, n: int, tokens: int, extra: dict[str, Any] | None = None,
+          distinct: str = "") -> dict[str, Any]:
+    """``n`` streams at once, every one the same prompt, or (``distinct``: a tag no earlier
+    run used) each its own question, never asked before, after the same opening."""
+    def prompt(i: int) -> str:
+        return f"{PROMPT} Answer for reader {distinct}-{i}." if distinct else PROMPT
+
     with ThreadPoolExecutor(n) as pool:
-        runs = list(pool.map(lambda i: stream_once(client, model, tokens, i + 1, extra),
-                             range(n)))
+        runs = list(pool.map(lambda i: stream_once(client, model, tokens, i + 1, extra,
+                                                   prompt(i)), range(n)))
     wall = max(r["end"] for r in runs) - min(r["start"] for r in runs)
     total = sum(r["tokens"] for r in runs)
     gaps = [g for r in runs for g in r["gaps"]]
@@ -156,6 +163,7 @@ def run_dsr1d(model: Path, threads: int, tokens: int, tmp: Path) -> dict[str, An
                 out[n] = level(client, model_id, n, tokens, OURS)
                 print(f"  dsr1d     {n} stream(s): {out[n]['aggregate_tok_s']:.2f} tok/s",
                       flush=True)
+            out["4 distinct"] = level(client, model_id, 4, tokens, OURS, distinct="ours")
             out["health"] = health_under_load(http, client, model_id, tokens)
         finally:
             proc.terminate()
@@ -206,6 +214,7 @@ def run_peer(model: Path, threads: int, tokens: int, *flags: str) -> dict[str, A
             out[n] = level(client, model_id, n, tokens, extra)
             print(f"  llama_cpp.server {' '.join(flags)} {n} stream(s): "
                   f"{out[n]['aggregate_tok_s']:.2f} tok/s", flush=True)
+        out["4 distinct"] = level(client, model_id, 4, tokens, extra, distinct="peer")
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -234,9 +243,9 @@ def main() -> None:
           f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}")
     for name, runs in (("dsr1d", ours), ("llama_cpp.server", peer),
                        ("  no interrupts", queued)):
-        for n in LEVELS:
+        for n in (*LEVELS, "4 distinct"):
             r = runs[n]
-            print(f"{name:18} {n:7d} {r['tokens']:6d} {r['aggregate_tok_s']:9.2f} "
+            print(f"{name:18} {n!s:>7} {r['tokens']:6d} {r['aggregate_tok_s']:9.2f} "
                   f"{r['per_stream_decode_tok_s']:10.2f} "
                   f"{r['ttft_p50_s'] * 1000:7.0f}ms {r['ttft_p99_s'] * 1000:7.0f}ms "
                   f"{r['itl_p50_s'] * 1000:6.1f}ms {r['itl_p99_s'] * 1000:6.1f}ms")
@@ -256,7 +265,9 @@ def main() -> None:
           f"peer's ({ours[4]['aggregate_tok_s'] / queued[4]['aggregate_tok_s']:.2f}x without "
           f"interrupts); TTFT p50 at 4 streams {ours[4]['ttft_p50_s'] * 1000:.0f} ms vs "
           f"{peer[4]['ttft_p50_s'] * 1000:.0f} ms ({queued[4]['ttft_p50_s'] * 1000:.0f} ms "
-          f"without interrupts)")
+          f"without interrupts); 4 distinct prompts: TTFT p50 "
+          f"{ours['4 distinct']['ttft_p50_s'] * 1000:.0f} ms vs "
+          f"{peer['4 distinct']['ttft_p50_s'] * 1000:.0f} ms")
     for name, ok in targets.items():
         print(f"target {name}: {'met' if ok else 'MISSED'}")
     print(json.dumps({"engine_tok_s": engine, "dsr1d": ours, "peer": peer,

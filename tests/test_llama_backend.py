@@ -203,14 +203,21 @@ def test_continuous_batching_gives_each_sequence_its_own_greedy_text(
             fourth = True
     assert [results[j].text for j in range(4)] == alone
     assert results[0].stats["batch"] == 3 and steps < 3 * 20        # decoded together
-    # a finished sequence's slot keeps its tokens: the same prompt again evaluates only the
-    # last prompt token (prompt caching), and still gives the same text
+    # a finished sequence's slot keeps its tokens, and the batcher its last logits: the same
+    # prompt again evaluates nothing (prompt caching), and still gives the same text
     # (slot 0 went to the fourth prompt; slot 1 still holds the second's)
-    again = batcher.admit(9, prompts[1], {**opts, "max_new_tokens": 1}, None, lambda: False)
-    assert again == []                       # its last prompt token is a row of the next step
-    first = dict(batcher.step())[9]
-    assert first.stats["slot"] == 1
-    assert first.stats["cached_prompt_tokens"] == len(gen.encode(prompts[1])) - 1
+    n = len(gen.encode(prompts[1]))
+    first = dict(batcher.admit(9, prompts[1], {**opts, "max_new_tokens": 1}, None,
+                               lambda: False))[9]
+    assert (first.stats["slot"], first.stats["cached_prompt_tokens"]) == (1, n)
+    assert alone[1].startswith(first.text)
+    # once newer prompts have pushed those logits out, only its last token is evaluated, as
+    # a row of the next step
+    batcher._logits.clear()
+    assert batcher.admit(10, prompts[1], {**opts, "max_new_tokens": 1}, None,
+                         lambda: False) == []
+    first = dict(batcher.step())[10]
+    assert (first.stats["slot"], first.stats["cached_prompt_tokens"]) == (1, n - 1)
     assert alone[1].startswith(first.text)
     batcher.close()
 
@@ -230,6 +237,8 @@ def test_requests_sharing_a_prompt_share_its_kv_cache_and_their_first_step(
     results: dict[int, object] = {}
     for job, prompt in enumerate(prompts):    # arriving together, as from three users
         results.update(batcher.admit(job, prompt, opts, None, lambda: False))
+    by_job = {seq.job: seq for seq in batcher.active.values()}
+    assert by_job[1].first > 0     # the same prompt: its first token from the prefill's logits
     first_step = batcher.step()
     assert all(batcher.active[s].first > 0 for s in batcher.active)   # everyone has a token
     results.update(first_step)
@@ -238,11 +247,20 @@ def test_requests_sharing_a_prompt_share_its_kv_cache_and_their_first_step(
     assert [results[j].text for j in range(3)] == alone
     ids = [gen.encode(p) for p in prompts]
     assert results[0].stats["cached_prompt_tokens"] == 0
-    # the same prompt: all but its last token copied from the running sequence
-    assert results[1].stats["cached_prompt_tokens"] == len(ids[1]) - 1
+    # the same prompt: all of it copied from the running sequence
+    assert results[1].stats["cached_prompt_tokens"] == len(ids[1])
     # another question after the same system prompt: the shared part copied
     shared = next(i for i, (a, b) in enumerate(zip(ids[0], ids[2])) if a != b)
     assert results[2].stats["cached_prompt_tokens"] == shared
+    # later, the same prompt again: its KV cache and its last logits were kept, so nothing is
+    # evaluated before its first token
+    assert batcher.admit(7, prompts[0], opts, None, lambda: False) == []
+    assert next(iter(batcher.active.values())).first > 0
+    again: dict[int, object] = {}
+    while batcher.active:
+        again.update(batcher.step())
+    assert again[7].stats["cached_prompt_tokens"] == len(ids[0])
+    assert again[7].text == alone[0]
     batcher.close()
 
 

@@ -8,7 +8,12 @@ token for every active sequence in one batch and samples each with its own sampl
 that ends (end of generation, ``max_new_tokens``, cancel) leaves and frees its slot at once.
 Each slot remembers the tokens in its KV cache, and a new prompt goes to the free slot sharing
 the longest prefix with it, so a shared system prompt or an earlier turn is not evaluated again
-(prompt caching). Text, ``<think>`` split, sampling and stats are those of
+(prompt caching). A running sequence's prefix is shared too: its KV cache is copied into the new
+request's slot (several users behind one system prompt), and a prompt left with only its last
+token to evaluate joins the next step as one more row instead of a call of its own. The last
+logits of the ``parallel`` latest prompts are kept (600 KB each for a 152k vocabulary), so the
+same prompt again, its KV cache in a free slot or a running one, evaluates nothing at all: its
+first token is drawn from them with its own sampler. Text, ``<think>`` split, sampling and stats are those of
 `LlamaGenerator.generate`, which serves one request at a time when ``parallel`` is 1.
 """
 
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -71,6 +77,8 @@ class Batcher:
         self.threads = gen.threads
         self.cached: list[list[int]] = [[] for _ in range(parallel)]   # tokens in each slot
         self.active: dict[int, Sequence] = {}                          # by slot
+        self._logits: OrderedDict[tuple[int, ...], Any] = OrderedDict()  # a prompt's last
+        self._candidates: Any = None
 
     @property
     def free(self) -> list[int]:
@@ -86,14 +94,23 @@ class Batcher:
         ids = self.gen.encode(prompt)
         check_budget(len(ids), int(opts["max_new_tokens"]), self.gen.context)
         start = time.perf_counter()
-        slot, common = max(((s, _common(self.cached[s], ids[:-1])) for s in self.free),
+        # a prompt seen lately left its last logits: then the whole prompt is worth finding
+        logits = self._logits.get(tuple(ids))
+        want = ids if logits is not None else ids[:-1]
+        slot, common = max(((s, _common(self.cached[s], want)) for s in self.free),
                            key=lambda sc: sc[1])
-        common = self._share(slot, ids[:-1], common)
+        common = self._share(slot, want, common)
         self.lib.llama_memory_seq_rm(self.memory, slot, common, -1)
         self.cached[slot] = ids[:common]
         seq = Sequence(job, slot, ids, opts, self.gen._sampler(opts), on_text, cancelled,
                        IncrementalDecoder(self.gen.detokenize), start=start, cached=common)
         self.active[slot] = seq
+        if logits is not None and common == len(ids):
+            # nothing to evaluate: the first token is drawn (with this request's own sampler)
+            # from the logits the same prompt left
+            seq.pos, seq.token = common, self._sample_logits(seq, logits)
+            seq.first = time.perf_counter()
+            return self._advance([seq])
         if common == len(ids) - 1:
             # only the last prompt token is left: it is a row of the next step, decoded with
             # every running sequence's token in one call, not a call of its own
@@ -106,6 +123,7 @@ class Batcher:
                         for i, t in enumerate(chunk)])
             self._decode()
         self.cached[slot] = list(ids)
+        self._keep_logits(ids, self.batch.n_tokens - 1)
         seq.pos = len(ids)
         seq.token = self._sample(seq, self.batch.n_tokens - 1)
         seq.first = time.perf_counter()
@@ -207,6 +225,30 @@ class Batcher:
 
     def _sample(self, seq: Sequence, index: int) -> int:
         return int(self.lib.llama_sampler_sample(seq.sampler, self.ctx, index))
+
+    def _keep_logits(self, ids: list[int], index: int) -> None:
+        """Keep a copy of the logits a prefill left (the ``parallel`` latest prompts)."""
+        import numpy as np
+
+        row = self.lib.llama_get_logits_ith(self.ctx, index)
+        self._logits[tuple(ids)] = np.ctypeslib.as_array(row, shape=(self.gen.n_vocab,)).copy()
+        self._logits.move_to_end(tuple(ids))
+        while len(self._logits) > self.parallel:
+            self._logits.popitem(last=False)
+
+    def _sample_logits(self, seq: Sequence, logits: Any) -> int:
+        """What ``llama_sampler_sample`` does, from kept logits instead of the context's."""
+        from llama_cpp._internals import LlamaTokenDataArray
+
+        if self._candidates is None:
+            self._candidates = LlamaTokenDataArray(n_vocab=self.gen.n_vocab)
+        cur = self._candidates
+        cur.copy_logits(logits)
+        cur.candidates.selected = -1
+        self.lib.llama_sampler_apply(seq.sampler, ctypes.byref(cur.candidates))
+        token = int(cur.candidates.data[cur.candidates.selected].id)
+        self.lib.llama_sampler_accept(seq.sampler, token)
+        return token
 
     def close(self) -> None:
         for seq in list(self.active.values()):
