@@ -2,22 +2,23 @@
 own OpenAI server, the same GGUF, the real ``openai`` client, 1/2/4/8 concurrent streams.
 
 One run, interleaved by concurrency level: per level, every stream asks for ``--tokens`` (256)
-new tokens of the 1.5B synthetic model in Q4_0 with the same prompt (so from the second level
-on a server that caches prompts has it cached), then once more 4 streams with 4 distinct
-prompts never sent before (the same opening, a different last sentence) (``bench/inference.py`` writes it under
-/var/tmp/dsr1d-bench), streamed. Printed per server and level: aggregate decode tok/s (all
-streams' tokens over the wall time from the first request to the last token), per-stream
-time-to-first-token and inter-token latency p50/p99 (streamed chunks: one a token, except
-where the text holds back a partial character or ``</think>`` tag); then dsr1d's single stream
-decode rate (first chunk to last) against the engine's own, measured in-process first (the
-API's cost), and 1,000 ``/health``
-calls made while 4 streams decode (p50/p99). Never passes or fails.
+new tokens of the 1.5B synthetic model in Q4_0 (``bench/inference.py`` writes it under
+/var/tmp/dsr1d-bench), streamed, with the same prompt (so from the second level on a server that
+caches prompts has it cached); then once more 4 streams with 4 distinct prompts never sent
+before (the same opening, a different last sentence). Printed per server and level: aggregate
+decode tok/s (all streams' tokens over the wall time from the first request to the last
+token), per-stream time-to-first-token and inter-token latency p50/p99 (streamed chunks: one a
+token, except where the text holds back a partial character or ``</think>`` tag); then dsr1d's
+single stream decode rate (first chunk to last) against the engine's own, measured in-process
+first (the API's cost), and 1,000 ``/health`` calls made while 4 streams decode (p50/p99).
+Never passes or fails.
 
 The peer is run as a user runs it: ``python -m llama_cpp.server --model M --n_threads T``
 (needs ``pip install fastapi uvicorn sse-starlette starlette-context pydantic-settings``), on
 TCP at 127.0.0.1; by default it abandons a running request when a new one arrives, so it is run
-a second time with ``--interrupt_requests False`` (each request to its end, one at a time). dsr1d runs as ``dsr1d run`` on a private bus with ``--root /``, a scratch
-journal and an empty profile (no knob changes), ``engine_parallel = 8``.
+a second time with ``--interrupt_requests False`` (each request to its end, one at a time).
+dsr1d runs as ``dsr1d run`` on a private bus with ``--root /``, a scratch journal and an empty
+profile (no knob changes), ``engine_parallel = 8``.
 
 Usage: .venv/bin/python bench/serving.py [--model GGUF] [--tokens 256] [--threads N]
 Targets (the issue's): aggregate tok/s at 4 streams >= 2.5x our single stream and >= 2x the

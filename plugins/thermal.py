@@ -1,6 +1,6 @@
 """Temperatures, throttle counters and frequencies from sysfs and MSRs (telemetry sources).
 
-Five sources, each available or not on its own:
+Seven sources, each available or not on its own:
 
 - ``thermal_zones`` — ``/sys/class/thermal/thermal_zoneN/{type,temp}`` (m°C):
   ``thermal_zone_<type>_c`` (a type seen twice gets its zone number: ``..._x86_pkg_temp_1_c``);
@@ -40,9 +40,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsr1d.constants import (BUSY_MHZ, CEILING_MHZ, CPU_MAX_MHZ, CPU_MHZ, CPU_MIN_MHZ, LIMIT_REASONS,
-                             ONLINE_CPUS, PKG_TEMP_C, TCC_OFFSET_C, THROTTLE_COUNT, THROTTLE_MS,
-                             TJ_MAX_C)
+from dsr1d.constants import (BUSY_MHZ, CEILING_MHZ, CPU_MAX_MHZ, CPU_MHZ, CPU_MIN_MHZ,
+                             LIMIT_REASONS, ONLINE_CPUS, PKG_TEMP_C, TCC_OFFSET_C, THROTTLE_COUNT,
+                             THROTTLE_MS, TJ_MAX_C)
 from dsr1d.contract.hookspecs import hookimpl
 from dsr1d.contract.sysroot import CPU_DIR, SysRoot
 from dsr1d.contract.telemetry import UNAVAILABLE, Pending, Unavailable, describe_oserror, \
@@ -422,7 +422,7 @@ class MsrThermStatus(_Cached):
 
 class AperfMperf(_Cached):
     name = "aperf"
-    summary = "busy MHz and Busy% from IA32_APERF/IA32_MPERF and the TSC (as turbostat computes them)"
+    summary = "busy MHz and Busy% from IA32_APERF/IA32_MPERF and the TSC (as turbostat has them)"
     priority = 50
     provides = frozenset({BUSY_MHZ})  # not read while turbostat measures busy_mhz
 
@@ -480,6 +480,13 @@ class AperfMperf(_Cached):
 # -- cpufreq -------------------------------------------------------------------------------------
 
 
+def _cpufreq_support(root: SysRoot, found: list, attribute: str) -> Support:
+    if not found:
+        return Support(False, f"no cpufreq/{attribute} under {root.display(CPU_DIR)} "
+                              "(no cpufreq driver, e.g. in a VM)")
+    return Support(True, f"{len(found)} CPUs")
+
+
 class CpufreqMhz(_Cached):
     name = "cpufreq"
     summary = "cpufreq scaling_cur_freq per CPU (what the kernel last asked for / saw)"
@@ -495,11 +502,7 @@ class CpufreqMhz(_Cached):
         return out
 
     def probe(self, root: SysRoot) -> Support:
-        found = self.discover(root)
-        if not found:
-            return Support(False, f"no cpufreq/scaling_cur_freq under {root.display(CPU_DIR)} "
-                                  "(no cpufreq driver, e.g. in a VM)")
-        return Support(True, f"{len(found)} CPUs")
+        return _cpufreq_support(root, self.discover(root), "scaling_cur_freq")
 
     def read(self, root: SysRoot, now: float) -> dict[str, Any]:
         mhz: list[float] = []
@@ -530,11 +533,7 @@ class CpufreqLimits(_Cached):
                 if root.exists(f"{CPU_DIR}/cpu{cpu}/cpufreq/scaling_max_freq")]
 
     def probe(self, root: SysRoot) -> Support:
-        found = self.discover(root)
-        if not found:
-            return Support(False, f"no cpufreq/scaling_max_freq under {root.display(CPU_DIR)} "
-                                  "(no cpufreq driver, e.g. in a VM)")
-        return Support(True, f"{len(found)} CPUs")
+        return _cpufreq_support(root, self.discover(root), "scaling_max_freq")
 
     def read(self, root: SysRoot, now: float) -> dict[str, Any]:
         paths = self._paths(root)

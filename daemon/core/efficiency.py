@@ -480,13 +480,18 @@ class EfficiencyController:
                     f"up, under {t_set:.1f} °C")
         return None
 
+    def _idle_package(self, o: Observation) -> tuple[float, float]:
+        """(T, P) of the idle package before decode, or a guess where none was seen: 5 °C under
+        the coolest reading, a quarter of today's power."""
+        assert o.pkg_power_w is not None
+        return self._base or (min(t for _, t in self._temps) - 5.0, 0.25 * o.pkg_power_w)
+
     def _temp_at(self, o: Observation, t_ss: float, mhz: float) -> float:
         """Where the package would settle at ``mhz``: the heat over the idle package is taken as
         proportional to the power over it, and the power at ``mhz`` comes from the measured
         windows' slope dP/df where they span a bin or more (else ``P ~ f^2.5`` over the idle)."""
         assert o.pkg_power_w is not None and o.busy_mhz
-        base_t, base_p = self._base or (min(t for _, t in self._temps) - 5.0,
-                                         0.25 * o.pkg_power_w)
+        base_t, base_p = self._idle_package(o)
         now = o.pkg_power_w - base_p
         if now <= 0:
             return t_ss
@@ -503,8 +508,7 @@ class EfficiencyController:
     def _dynamic_scale(self, o: Observation, t_ss: float) -> float:
         """How much of today's dynamic power (over the idle package's) settles at the set point."""
         assert o.pkg_power_w is not None and o.pkg_temp_c is not None
-        base_t, base_p = self._base or (min(t for _, t in self._temps) - 5.0,
-                                         0.25 * o.pkg_power_w)
+        base_t, base_p = self._idle_package(o)
         if not math.isfinite(t_ss):
             t_ss = o.pkg_temp_c + 5.0
         headroom = max(0.0, (self._set_c(o) - base_t) / max(1e-6, t_ss - base_t))

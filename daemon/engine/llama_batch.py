@@ -13,8 +13,9 @@ request's slot (several users behind one system prompt), and a prompt left with 
 token to evaluate joins the next step as one more row instead of a call of its own. The last
 logits of the ``parallel`` latest prompts are kept (600 KB each for a 152k vocabulary), so the
 same prompt again, its KV cache in a free slot or a running one, evaluates nothing at all: its
-first token is drawn from them with its own sampler. Text, ``<think>`` split, sampling and stats are those of
-`LlamaGenerator.generate`, which serves one request at a time when ``parallel`` is 1.
+first token is drawn from them with its own sampler. Text, ``<think>`` split, sampling and
+stats are those of `LlamaGenerator.generate`, which serves one request at a time when
+``parallel`` is 1.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ class Batcher:
         self.threads = gen.threads
         self.cached: list[list[int]] = [[] for _ in range(parallel)]   # tokens in each slot
         self.active: dict[int, Sequence] = {}                          # by slot
-        self._logits: OrderedDict[tuple[int, ...], Any] = OrderedDict()  # a prompt's last
+        # the last logits of the latest prompts, and the candidates array sampled from them
+        self._logits: OrderedDict[tuple[int, ...], Any] = OrderedDict()
         self._candidates: Any = None
 
     @property
@@ -230,9 +232,10 @@ class Batcher:
         """Keep a copy of the logits a prefill left (the ``parallel`` latest prompts)."""
         import numpy as np
 
+        key = tuple(ids)
         row = self.lib.llama_get_logits_ith(self.ctx, index)
-        self._logits[tuple(ids)] = np.ctypeslib.as_array(row, shape=(self.gen.n_vocab,)).copy()
-        self._logits.move_to_end(tuple(ids))
+        self._logits[key] = np.ctypeslib.as_array(row, shape=(self.gen.n_vocab,)).copy()
+        self._logits.move_to_end(key)
         while len(self._logits) > self.parallel:
             self._logits.popitem(last=False)
 
