@@ -14,7 +14,6 @@ health pings meanwhile.
 from __future__ import annotations
 
 import ctypes
-import random
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from dsr1d.engine.errors import ModelError
 from dsr1d.engine.gguf_file import GGUFInfo
 from dsr1d.engine.request import (DEFAULTS, OnText, Prompt, Result, check_budget, decode_stats,
                                   messages_of)
+from dsr1d.engine.sampling import TokenSampler
 from dsr1d.textstream import IncrementalDecoder, ThinkSplitter, emit
 
 DEFAULT_CONTEXT = 16384
@@ -104,7 +104,7 @@ class LlamaGenerator:
         self.vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self._pieces: dict[tuple[int, bool], bytes] = {}
-        self._biases: Any = None
+        self._barred: Any = None
         self._buffer = ctypes.create_string_buffer(256)
         self.unused = [t for t in range(self.n_vocab) if llama_cpp.llama_vocab_get_attr(
             self.vocab, t) & llama_cpp.LLAMA_TOKEN_ATTR_UNUSED]
@@ -159,29 +159,26 @@ class LlamaGenerator:
         new: list[int] = []
         reason = "length"
         self._set_threads(threads())
-        sampler = self._sampler(opts)
-        try:
-            start = time.perf_counter()
-            self._prefill(ids)
+        sampler = self.sampler(opts)
+        start = time.perf_counter()
+        self._prefill(ids)
+        token = self._sample(sampler)
+        first = time.perf_counter()
+        while True:
+            if self.lib.llama_vocab_is_eog(self.vocab, token) and not opts["ignore_eos"]:
+                reason = "eos"
+                break
+            new.append(token)
+            emit(decoder.push(token), splitter, on_text)
+            if len(new) >= max_new:
+                break
+            if cancelled():
+                reason = "cancelled"
+                break
+            self._set_threads(threads())
+            self.llm.eval([token])
             token = self._sample(sampler)
-            first = time.perf_counter()
-            while True:
-                if self.lib.llama_vocab_is_eog(self.vocab, token) and not opts["ignore_eos"]:
-                    reason = "eos"
-                    break
-                new.append(token)
-                emit(decoder.push(token), splitter, on_text)
-                if len(new) >= max_new:
-                    break
-                if cancelled():
-                    reason = "cancelled"
-                    break
-                self._set_threads(threads())
-                self.llm.eval([token])
-                token = self._sample(sampler)
-            end = time.perf_counter()
-        finally:
-            self.lib.llama_sampler_free(sampler)
+        end = time.perf_counter()
         emit(decoder.flush(), splitter, on_text, final=True)
         stats = {
             **decode_stats(len(ids), len(new), start, first, end),
@@ -220,31 +217,24 @@ class LlamaGenerator:
         self.llm.n_tokens = common  # eval() drops the KV cache past n_tokens
         self.llm.eval(ids[common:])
 
-    def _sample(self, sampler: Any) -> int:
-        return int(self.lib.llama_sampler_sample(sampler, self.llm.ctx, -1))
+    def _sample(self, sampler: TokenSampler) -> int:
+        return sampler(self.row(self.llm.ctx, -1))
 
-    def _sampler(self, opts: dict[str, Any]) -> Any:
+    def row(self, ctx: Any, index: int) -> Any:
+        """The logits of batch row ``index`` of ``ctx`` (-1: the last), a view of llama.cpp's."""
+        import numpy as np
+
+        return np.ctypeslib.as_array(self.lib.llama_get_logits_ith(ctx, index),
+                                     shape=(self.n_vocab,))
+
+    def sampler(self, opts: dict[str, Any]) -> TokenSampler:
         """Padding tokens barred, then greedy, or temperature → top-p → a seeded draw (the
         torch backend's order: top-p is taken over the tempered distribution)."""
-        lib = self.lib
-        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
-        if self.unused:
-            if self._biases is None:   # built once: ~0.2 s for a vocabulary's worth of them
-                self._biases = (lib.llama_logit_bias * len(self.unused))(
-                    *[lib.llama_logit_bias(t, float("-inf")) for t in self.unused])
-            # llama.cpp copies the biases into the sampler, so one array serves every request
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_logit_bias(
-                self.n_vocab, len(self.unused), self._biases))
-        if bool(opts["greedy"]) or float(opts["temperature"]) == 0.0:
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
-            return chain
-        seed = int(opts["seed"])
-        if seed < 0:
-            seed = random.SystemRandom().randrange(2**31)
-        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(float(opts["temperature"])))
-        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(float(opts["top_p"]), 1))
-        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(seed % 2**32))
-        return chain
+        if self._barred is None:
+            import numpy as np
+
+            self._barred = np.array(self.unused, dtype=np.intp)
+        return TokenSampler(opts, self._barred)
 
     def _set_threads(self, wanted: int | None) -> None:
         if wanted and wanted != self.threads:

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from dsr1d.engine.errors import ModelError
 from dsr1d.engine.llama_backend import LlamaGenerator
+from dsr1d.engine.sampling import TokenSampler
 from dsr1d.engine.request import DEFAULTS, OnText, Prompt, Result, check_budget, decode_stats
 from dsr1d.textstream import IncrementalDecoder, ThinkSplitter, emit
 
@@ -44,7 +45,7 @@ class Sequence:
     slot: int
     ids: list[int]
     opts: dict[str, Any]
-    sampler: Any
+    sampler: TokenSampler
     on_text: OnText | None
     cancelled: Callable[[], bool]
     decoder: IncrementalDecoder
@@ -78,9 +79,7 @@ class Batcher:
         self.threads = gen.threads
         self.cached: list[list[int]] = [[] for _ in range(parallel)]   # tokens in each slot
         self.active: dict[int, Sequence] = {}                          # by slot
-        # the last logits of the latest prompts, and the candidates array sampled from them
-        self._logits: OrderedDict[tuple[int, ...], Any] = OrderedDict()
-        self._candidates: Any = None
+        self._logits: OrderedDict[tuple[int, ...], Any] = OrderedDict()   # of the latest prompts
 
     @property
     def free(self) -> list[int]:
@@ -104,13 +103,13 @@ class Batcher:
         common = self._share(slot, want, common)
         self.lib.llama_memory_seq_rm(self.memory, slot, common, -1)
         self.cached[slot] = ids[:common]
-        seq = Sequence(job, slot, ids, opts, self.gen._sampler(opts), on_text, cancelled,
+        seq = Sequence(job, slot, ids, opts, self.gen.sampler(opts), on_text, cancelled,
                        IncrementalDecoder(self.gen.detokenize), start=start, cached=common)
         self.active[slot] = seq
         if logits is not None and common == len(ids):
             # nothing to evaluate: the first token is drawn (with this request's own sampler)
             # from the logits the same prompt left
-            seq.pos, seq.token = common, self._sample_logits(seq, logits)
+            seq.pos, seq.token = common, seq.sampler(logits)
             seq.first = time.perf_counter()
             return self._advance([seq])
         if common == len(ids) - 1:
@@ -193,7 +192,6 @@ class Batcher:
 
     def _finish(self, seq: Sequence, reason: str) -> Result:
         end = time.perf_counter()
-        self.lib.llama_sampler_free(seq.sampler)
         del self.active[seq.slot]
         emit(seq.decoder.flush(), seq.splitter, seq.on_text, final=True)
         stats = {
@@ -226,36 +224,17 @@ class Batcher:
             raise RuntimeError(f"llama_decode returned {code} (the KV cache is full?)")
 
     def _sample(self, seq: Sequence, index: int) -> int:
-        return int(self.lib.llama_sampler_sample(seq.sampler, self.ctx, index))
+        return seq.sampler(self.gen.row(self.ctx, index))
 
     def _keep_logits(self, ids: list[int], index: int) -> None:
         """Keep a copy of the logits a prefill left (the ``parallel`` latest prompts)."""
-        import numpy as np
-
         key = tuple(ids)
-        row = self.lib.llama_get_logits_ith(self.ctx, index)
-        self._logits[key] = np.ctypeslib.as_array(row, shape=(self.gen.n_vocab,)).copy()
+        self._logits[key] = self.gen.row(self.ctx, index).copy()
         self._logits.move_to_end(key)
         while len(self._logits) > self.parallel:
             self._logits.popitem(last=False)
 
-    def _sample_logits(self, seq: Sequence, logits: Any) -> int:
-        """What ``llama_sampler_sample`` does, from kept logits instead of the context's."""
-        from llama_cpp._internals import LlamaTokenDataArray
-
-        if self._candidates is None:
-            self._candidates = LlamaTokenDataArray(n_vocab=self.gen.n_vocab)
-        cur = self._candidates
-        cur.copy_logits(logits)
-        cur.candidates.selected = -1
-        self.lib.llama_sampler_apply(seq.sampler, ctypes.byref(cur.candidates))
-        token = int(cur.candidates.data[cur.candidates.selected].id)
-        self.lib.llama_sampler_accept(seq.sampler, token)
-        return token
-
     def close(self) -> None:
-        for seq in list(self.active.values()):
-            self.lib.llama_sampler_free(seq.sampler)
         self.active.clear()
         self.lib.llama_batch_free(self.batch)
         self.lib.llama_free(self.ctx)
