@@ -79,3 +79,14 @@ def test_a_low_temperature_narrows_what_is_drawn() -> None:
     hot = TokenSampler({**OPTS, "temperature": 1.5, "seed": 2}, none)
     cold = TokenSampler({**OPTS, "temperature": 0.05, "seed": 2}, none)
     assert len({cold(logits) for _ in range(200)}) < len({hot(logits) for _ in range(200)}) / 5
+
+
+def test_nan_logits_are_never_drawn_and_a_row_of_nothing_is_a_clear_error() -> None:
+    from dsr1d.engine.errors import ModelError
+
+    logits = np.full(600, np.nan, dtype=np.float32)
+    logits[[3, 300]] = [1.0, np.inf]
+    sampler = TokenSampler({**OPTS, "top_p": 1.0}, np.array([], dtype=np.intp))
+    assert {sampler(logits) for _ in range(50)} <= {3, 300}
+    with pytest.raises(ModelError, match="no usable logits"):
+        TokenSampler(OPTS, np.array([3, 300]))(logits)

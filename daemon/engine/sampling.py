@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from dsr1d.engine.errors import ModelError
+
 FIRST_LOOK = 256    # most likely tokens summed first: a peaked distribution needs no more
 
 
@@ -33,12 +35,17 @@ class TokenSampler:
 
     def __call__(self, logits: np.ndarray) -> int:
         row = np.array(logits, dtype=np.float32)      # a copy: llama.cpp's buffer stays as is
+        np.nan_to_num(row, copy=False, nan=-np.inf, posinf=np.finfo(np.float32).max)
         if self.barred.size:
             row[self.barred] = -np.inf
+        best = int(np.argmax(row))
+        if row[best] == -np.inf:
+            raise ModelError("the model gave no usable logits (all NaN or barred)")
         if self.greedy:
-            return int(np.argmax(row))
-        row *= self.inv_temp
-        row -= row.max()
+            return best
+        row -= row[best]   # shifted before tempering: an overflow then only sends a token to -inf
+        with np.errstate(over="ignore"):
+            row *= self.inv_temp
         probs = np.exp(row, out=row)
         probs /= probs.sum()
         ids, cum = nucleus(probs, self.top_p)
