@@ -12,6 +12,7 @@ import torch
 from dsr1d.engine.model import Loaded
 from dsr1d.engine.request import (DEFAULTS, InvalidRequest, OnText, Prompt, Result, check_budget,
                                   decode_stats, messages_of)
+from dsr1d.engine.sampling import NOTHING_BARRED, TokenSampler
 from dsr1d.textstream import IncrementalDecoder, ThinkSplitter, emit
 
 __all__ = ["DEFAULTS", "Generator", "InvalidRequest", "Result"]
@@ -43,7 +44,7 @@ class Generator:
         opts = {**DEFAULTS, **options}
         ids = self.encode(prompt)
         check_budget(len(ids), int(opts["max_new_tokens"]), self.loaded.context)
-        sampler = _Sampler(opts, self.vocab)
+        sampler = TokenSampler(opts, NOTHING_BARRED)
         decoder = IncrementalDecoder(lambda t: self.tokenizer.decode(t, skip_special_tokens=False))
         splitter = ThinkSplitter()
         new: list[int] = []
@@ -55,7 +56,7 @@ class Generator:
             cache = DynamicCache(config=self.model.config)
             start = time.perf_counter()
             logits = self._step(torch.tensor([ids]), cache)
-            token = sampler(logits)
+            token = self._draw(sampler, logits)
             first = time.perf_counter()
             while True:
                 if token in self.stop_ids and not opts["ignore_eos"]:
@@ -69,7 +70,7 @@ class Generator:
                     reason = "cancelled"
                     break
                 self._set_threads(threads())
-                token = sampler(self._step(torch.tensor([[token]]), cache))
+                token = self._draw(sampler, self._step(torch.tensor([[token]]), cache))
             end = time.perf_counter()
         emit(decoder.flush(), splitter, on_text, final=True)
         text = self.tokenizer.decode(new, skip_special_tokens=True)
@@ -89,31 +90,10 @@ class Generator:
                          logits_to_keep=1)
         return out.logits[0, -1]
 
+    def _draw(self, sampler: TokenSampler, logits: torch.Tensor) -> int:
+        # rows past the tokenizer's vocabulary are padding in R1 checkpoints: never sampled
+        return sampler(logits[: self.vocab].float().numpy())
+
     def _set_threads(self, wanted: int | None) -> None:
         if wanted and wanted != torch.get_num_threads():
             torch.set_num_threads(wanted)
-
-
-class _Sampler:
-    """Greedy, or temperature + top-p (nucleus) sampling over the tokenizer's vocabulary."""
-
-    def __init__(self, opts: dict[str, Any], vocab: int) -> None:
-        self.greedy = bool(opts["greedy"]) or float(opts["temperature"]) == 0.0
-        self.temperature = float(opts["temperature"])
-        self.top_p = float(opts["top_p"])
-        self.vocab = vocab
-        self.generator = torch.Generator()
-        seed = int(opts["seed"])
-        self.generator.manual_seed(seed if seed >= 0 else int(time.time_ns() % (2**31)))
-
-    def __call__(self, logits: torch.Tensor) -> int:
-        # Rows past the tokenizer's vocabulary are padding in R1 checkpoints: never sample them.
-        logits = logits[: self.vocab].float()
-        if self.greedy:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits / self.temperature, dim=-1)
-        sorted_probs, order = torch.sort(probs, descending=True)
-        drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > self.top_p
-        sorted_probs[drop] = 0.0
-        pick = torch.multinomial(sorted_probs, 1, generator=self.generator)
-        return int(order[pick])

@@ -1,7 +1,7 @@
-"""Drawing the next token from a row of logits, for the llama.cpp backend.
+"""Drawing the next token from a row of logits, for both backends.
 
-The torch backend's rule (``generate._Sampler``): padding tokens barred, then greedy, or
-temperature → top-p over the tempered distribution → a seeded draw. llama.cpp's own top-p
+The rule: padding tokens barred, then greedy, or temperature → top-p over the tempered
+distribution → a seeded draw (the same seed, the same tokens). llama.cpp's own top-p
 sorts the whole vocabulary by probability whenever the nucleus is wide — 3.5–4.6 ms a token
 for a 152k vocabulary on a 2-core VM, a tenth of a decode step, paid once per sequence in a
 batch. Here only the values are sorted (SIMD) to find the probability the nucleus ends at;
@@ -18,6 +18,7 @@ import numpy as np
 from dsr1d.engine.errors import ModelError
 
 FIRST_LOOK = 256    # most likely tokens summed first: a peaked distribution needs no more
+NOTHING_BARRED = np.array([], dtype=np.intp)
 
 
 class TokenSampler:
