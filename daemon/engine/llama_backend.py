@@ -228,8 +228,8 @@ class LlamaGenerator:
                                      shape=(self.n_vocab,))
 
     def sampler(self, opts: dict[str, Any]) -> TokenSampler:
-        """Padding tokens barred, then greedy, or temperature → top-p → a seeded draw (the
-        torch backend's order: top-p is taken over the tempered distribution)."""
+        """A request's sampler (`sampling.TokenSampler`, the rule both backends share), the
+        vocabulary's unused tokens barred."""
         if self._barred is None:
             import numpy as np
 

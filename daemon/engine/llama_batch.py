@@ -28,8 +28,8 @@ from typing import Any, Callable
 
 from dsr1d.engine.errors import ModelError
 from dsr1d.engine.llama_backend import LlamaGenerator
-from dsr1d.engine.sampling import TokenSampler
 from dsr1d.engine.request import DEFAULTS, OnText, Prompt, Result, check_budget, decode_stats
+from dsr1d.engine.sampling import TokenSampler
 from dsr1d.textstream import IncrementalDecoder, ThinkSplitter, emit
 
 PREFILL_CHUNK = 512
