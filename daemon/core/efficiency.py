@@ -208,13 +208,23 @@ def fit_inverse(points: list[tuple[float, float, float]]) -> tuple[float, float]
     """Least squares of ``1/R = a + b/f`` (f in MHz); None without a spread of at least 1 %."""
     xs = [1.0 / f for f, r, _ in points if f > 0 and r > 0]
     ys = [1.0 / r for f, r, _ in points if f > 0 and r > 0]
-    if len(xs) < 2 or max(xs) < min(xs) * 1.01:
+    line = least_squares(xs, ys) if len(xs) >= 2 and max(xs) >= min(xs) * 1.01 else None
+    if line is None:
         return None
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    mx, my, b = line
     b = max(0.0, b)             # more frequency never slows decode: noise, not physics
     return my - b * mx, b
+
+
+def least_squares(xs: list[float], ys: list[float],
+                  min_sxx: float = 0.0) -> tuple[float, float, float] | None:
+    """(mean x, mean y, slope) of the least-squares line through the points; None where the x
+    values spread no more than ``min_sxx`` (their summed squared deviation)."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx <= min_sxx:
+        return None
+    return mx, my, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
 
 
 class EfficiencyController:
@@ -423,12 +433,10 @@ class EfficiencyController:
         if period <= 0:
             return None
         temps = [t for _, t in recent]
-        xs, ys = temps[:-1], temps[1:]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        sxx = sum((x - mx) ** 2 for x in xs)
-        if sxx < 1e-6:
+        line = least_squares(temps[:-1], temps[1:], 1e-6)
+        if line is None:
             return o.pkg_temp_c, math.inf
-        alpha = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+        mx, my, alpha = line
         if not 0.0 < alpha < 0.9999:
             slope = (temps[-1] - temps[0]) / (recent[-1][0] - recent[0][0])   # °C per second
             return None if slope <= 0 else (math.inf, max(0.0, (self._set_c(o) - o.pkg_temp_c)
@@ -497,10 +505,10 @@ class EfficiencyController:
             return t_ss
         pts = [(f, w) for f, _, w in self._points if w > 0]
         fs = [f for f, _ in pts]
-        if fs and max(fs) - min(fs) >= self.config.step_mhz * 0.9:
-            mf, mw = sum(fs) / len(fs), sum(w for _, w in pts) / len(pts)
-            slope = sum((f - mf) * (w - mw) for f, w in pts) / sum((f - mf) ** 2 for f in fs)
-            extra = max(0.0, slope) * (mhz - o.busy_mhz)
+        line = least_squares(fs, [w for _, w in pts]) \
+            if fs and max(fs) - min(fs) >= self.config.step_mhz * 0.9 else None
+        if line is not None:
+            extra = max(0.0, line[2]) * (mhz - o.busy_mhz)
         else:
             extra = now * ((mhz / o.busy_mhz) ** POWER_EXPONENT - 1)
         return base_t + (t_ss - base_t) * (now + extra) / now

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from dsr1d.engine.errors import ModelError
 from dsr1d.engine.gguf_file import GGUFInfo
 from dsr1d.engine.request import (DEFAULTS, OnText, Prompt, Result, check_budget, decode_stats,
@@ -104,10 +106,10 @@ class LlamaGenerator:
         self.vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self._pieces: dict[tuple[int, bool], bytes] = {}
-        self._barred: Any = None
         self._buffer = ctypes.create_string_buffer(256)
-        self.unused = [t for t in range(self.n_vocab) if llama_cpp.llama_vocab_get_attr(
-            self.vocab, t) & llama_cpp.LLAMA_TOKEN_ATTR_UNUSED]
+        # never sampled: the vocabulary's unused tokens
+        self.barred = np.array([t for t in range(self.n_vocab) if llama_cpp.llama_vocab_get_attr(
+            self.vocab, t) & llama_cpp.LLAMA_TOKEN_ATTR_UNUSED], dtype=np.intp)
         self.template = _compile(info.chat_template)
         bos = info.bos_id
         self.bos_text = self.piece(bos, True).decode(errors="replace") if bos is not None else ""
@@ -194,14 +196,11 @@ class LlamaGenerator:
 
     def logits(self, ids: list[int]) -> list[list[float]]:
         """Logits after each of ``ids`` (for numerical checks against the torch reference)."""
-        import numpy as np
-
         out = []
         self.llm.n_tokens = 0
         for token in ids:
             self.llm.eval([token])
-            row = self.lib.llama_get_logits_ith(self.llm.ctx, -1)
-            out.append(np.ctypeslib.as_array(row, shape=(self.n_vocab,)).tolist())
+            out.append(self.row(self.llm.ctx, -1).tolist())
         self.llm.n_tokens = 0  # the next prompt is evaluated from the start
         return out
 
@@ -222,19 +221,13 @@ class LlamaGenerator:
 
     def row(self, ctx: Any, index: int) -> Any:
         """The logits of batch row ``index`` of ``ctx`` (-1: the last), a view of llama.cpp's."""
-        import numpy as np
-
         return np.ctypeslib.as_array(self.lib.llama_get_logits_ith(ctx, index),
                                      shape=(self.n_vocab,))
 
     def sampler(self, opts: dict[str, Any]) -> TokenSampler:
         """A request's sampler (`sampling.TokenSampler`, the rule both backends share), the
         vocabulary's unused tokens barred."""
-        if self._barred is None:
-            import numpy as np
-
-            self._barred = np.array(self.unused, dtype=np.intp)
-        return TokenSampler(opts, self._barred)
+        return TokenSampler(opts, self.barred)
 
     def _set_threads(self, wanted: int | None) -> None:
         if wanted and wanted != self.threads:
