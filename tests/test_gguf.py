@@ -25,6 +25,7 @@ import pytest  # noqa: E402
 torch = pytest.importorskip("torch")  # the synthetic models are made with torch
 
 import gguf  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from dsr1d.engine import gguf_convert, synth  # noqa: E402
@@ -133,6 +134,10 @@ def _block_max(w: np.ndarray) -> np.ndarray:
     return np.broadcast_to(blocks, (blocks.shape[0], 32)).reshape(w.shape)
 
 
+def _rms(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(x, dtype=np.float64))))
+
+
 def _leftovers(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if ".partial" in p.name)
 
@@ -202,8 +207,14 @@ def test_tensors_round_trip(converted: dict[str, Path], qwen_dir: Path, dtype: s
             # Per 32-value block, step d = blockmax/127 (Q8_0) or blockmax/8 (Q4_0): rounding
             # errs by d/2, and Q4_0's codes -8..7 clip the far extreme by a whole d. The scale
             # is stored as f16 (2**-11 relative), scaled by the code: up to 127 or 8 times.
-            qtype = QT.Q8_0 if dtype == "int8" or name == "output.weight" else QT.Q4_0
+            qtype = QT.Q8_0 if dtype == "int8" or name == "token_embd.weight" else \
+                QT.IQ4_NL if name == "output.weight" else QT.Q4_0
             assert types[name] == qtype, name
+            if qtype == QT.IQ4_NL:
+                # a better 4-bit grid than Q4_0's: closer to the weights than Q4_0 would be
+                q4 = dequantize(quantize(want.astype(np.float32), QT.Q4_0), QT.Q4_0)
+                assert _rms(values - want) < _rms(q4 - want), name
+                continue
             if qtype == QT.Q8_0:
                 bound = _block_max(want) / 127 * (0.5 + 127 * 2.0**-11)
             else:
@@ -247,8 +258,8 @@ def test_tied_embeddings_serve_as_the_output(qwen_dir: Path, tmp_path: Path) -> 
 
 
 def test_rows_that_do_not_fill_quant_blocks_stay_bf16() -> None:
-    assert gguf_convert._tensor_type("blk.0.ffn_down.weight", (64, 200), "int4", False) == QT.BF16
-    assert gguf_convert._tensor_type("blk.0.ffn_down.weight", (64, 192), "int4", False) == QT.Q4_0
+    assert gguf_convert._tensor_type("blk.0.ffn_down.weight", (64, 200), "int4") == QT.BF16
+    assert gguf_convert._tensor_type("blk.0.ffn_down.weight", (64, 192), "int4") == QT.Q4_0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -377,7 +388,8 @@ def _assert_same_token_ids(gguf_path: Path, tokenizer_json: Path) -> None:
 
 def _llama_cpp_logits(path: Path, ids: list[int]) -> np.ndarray:
     llama_cpp = _llama_cpp()
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_batch=64, n_threads=2,
+    n = max(64, len(ids))
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n, n_batch=n, n_threads=2,
                           logits_all=True, verbose=False)
     llm.eval(ids)
     return np.array(llm.scores[: len(ids)], dtype=np.float32)
@@ -407,20 +419,29 @@ def test_llama_cpp_logits_match_transformers(arch: str, qwen_dir: Path, llama_di
     assert (got.argmax(axis=1) == want.argmax(axis=1)).mean() >= 0.95
 
 
-def test_int4_keeps_the_output_matrix_at_q8(qwen_dir: Path, converted: dict[str, Path],
-                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The measurement behind the int4 choice: Q8_0 output is closer to fp32 than Q4_0 output."""
-    ids = PROMPT_IDS
+def test_the_int4_mix_is_closer_to_fp32_than_the_alternatives(
+        qwen_dir: Path, converted: dict[str, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The measurement behind the int4 mix (output IQ4_NL, embedding Q8_0): its logits are
+    closer to the fp32 file's than those of the mix before (output Q8_0, embedding Q4_0), a
+    file of the same size, and than everything at Q4_0."""
+    llm = _llama_cpp().Llama(model_path=str(converted["fp32"]), vocab_only=True, verbose=False)
+    ids = llm.tokenize(CORPUS.read_text(encoding="utf-8").encode(), add_bos=False)[:600]
     reference = _llama_cpp_logits(converted["fp32"], ids)
-    kept = _llama_cpp_logits(converted["int4"], ids)
-    monkeypatch.setattr(gguf_convert, "_tensor_type",
-                        lambda name, shape, dtype, tied: QT.F32 if len(shape) == 1 else QT.Q4_0)
-    all_q4 = _llama_cpp_logits(convert(qwen_dir, tmp_path / "all-q4.gguf", "int4"), ids)
 
-    def rms(x: np.ndarray) -> float:
-        return float(np.sqrt(np.mean((x - reference) ** 2)))
+    def error(output: QT | None, embedding: QT | None) -> float:
+        if output is None:
+            path = converted["int4"]
+        else:
+            types = {"output.weight": output, "token_embd.weight": embedding}
+            monkeypatch.setattr(gguf_convert, "_tensor_type", lambda name, shape, dtype:
+                                QT.F32 if len(shape) == 1 else types.get(name, QT.Q4_0))
+            path = convert(qwen_dir, tmp_path / f"{output.name}-{embedding.name}.gguf", "int4")
+        return _rms(_llama_cpp_logits(path, ids) - reference)
 
-    assert rms(kept) < rms(all_q4), (rms(kept), rms(all_q4))
+    chosen = error(None, None)
+    assert chosen < error(QT.Q8_0, QT.Q4_0)
+    assert chosen < error(QT.Q4_0, QT.Q4_0)
 
 
 # --- llama.cpp tokenizes exactly as the Hugging Face tokenizer ---------------------------------

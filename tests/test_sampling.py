@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dsr1d.engine.sampling import FIRST_LOOK, TokenSampler, nucleus
+from dsr1d.engine.sampling import BLOCK, FIRST_LOOK, TokenSampler, first_reaching, nucleus
 
 OPTS = {"greedy": False, "temperature": 0.6, "top_p": 0.95, "seed": 7}
 
@@ -26,13 +26,28 @@ def test_the_nucleus_is_the_most_likely_tokens_reaching_top_p(scale: float, top_
     logits = rng.normal(0, scale, 20_000)
     probs = np.exp(logits - logits.max()).astype(np.float32)
     probs /= probs.sum()
-    ids, cum = nucleus(probs, top_p)
+    ids = nucleus(probs, top_p)
     want = reference_nucleus(probs, top_p)
-    # float32 sums may move the cut by a token or two at the boundary, never more
+    # float32 probabilities may move the cut by a token or two at the boundary, never more
     assert len(set(ids.tolist()) ^ want) <= 2
-    assert cum[-1] >= top_p - 1e-3
+    assert probs[ids].sum(dtype=np.float64) >= top_p - 1e-3
+    assert list(ids) == sorted(ids)
     if scale >= 6.0:
-        assert len(ids) < FIRST_LOOK      # a peaked distribution: found among the first tokens
+        assert len(ids) < FIRST_LOOK      # peaked: found among the most likely few
+
+
+@pytest.mark.parametrize("size", [1, 7, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5])
+def test_the_running_sum_reaches_a_fraction_where_a_plain_cumsum_does(size: int) -> None:
+    values = np.random.default_rng(size).random(size).astype(np.float32)
+    cum = np.cumsum(values.astype(np.float64))
+    for fraction in (0.0, 0.3, 0.5, 0.999, 1.0):
+        target = fraction * cum[-1]
+        for strict, side in ((False, "left"), (True, "right")):
+            want = min(int(np.searchsorted(cum, target, side=side)), size - 1)
+            assert abs(first_reaching(values, target, strict) - want) <= 1
+    assert first_reaching(values, 0.0) == 0               # nothing needed: the first token
+    assert first_reaching(values, cum[-1], strict=True) == size - 1
+    assert first_reaching(values, 2 * cum[-1]) == size - 1   # never reached: the last one
 
 
 def test_greedy_takes_the_best_token_that_is_not_barred() -> None:

@@ -2,8 +2,9 @@
 
 An entry is ``<cache>/<model>-<key>-<dtype>.gguf`` with a manifest ``….json`` written after it.
 The key is a SHA-256 over the names and contents of the files that define the model (config,
-tokenizer, weights), so an edited or replaced model gets a new entry and the one made from the same path before is
-removed (another model of the same name elsewhere keeps its own).
+tokenizer, weights) and the converter's ``LAYOUT`` (what it writes for them), so an edited or
+replaced model, or a converter that writes it differently, gets a new entry and the one made
+from the same path before is removed (another model of the same name elsewhere keeps its own).
 Hashing a 7B checkpoint takes seconds; the digest of each file is remembered in
 ``<cache>/digests.json`` by (path, size, mtime, inode) so a restart does not hash it again.
 
@@ -23,6 +24,7 @@ from typing import Callable
 
 from dsr1d.engine.backend import model_name
 from dsr1d.engine.errors import ModelError
+from dsr1d.engine.gguf_convert import LAYOUT
 from dsr1d.engine.gguf_file import inspect_gguf
 
 Progress = Callable[[int, int, str], None]
@@ -61,7 +63,7 @@ def source_key(src: Path, cache: Path | None = None) -> str:
                     if isinstance(v, str)}
         except (ValueError, AttributeError, OSError):
             memo = {}
-    h = hashlib.sha256()
+    h = hashlib.sha256(f"dsr1d gguf layout {LAYOUT}\n".encode())
     for path in source_files(src):
         h.update(path.name.encode() + b"\0" + _file_digest(path, memo).encode() + b"\n")
     if memo_path:

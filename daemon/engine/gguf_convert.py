@@ -15,23 +15,28 @@ and the ``tokenizer.ggml.*`` vocabulary, merges, special ids and chat template.
 
 Tensor types: 1-D tensors (norms, biases) and ``rope_freqs`` are F32 in every file. The 2-D
 weights are F32 / BF16 / Q8_0 / Q4_0 for fp32 / bf16 / int8 / int4, except that int4 files keep
-``output.weight`` at Q8_0 (and ``token_embd.weight`` when the embeddings are tied, since it is
-then also the output). The output matrix is the one weight whose error reaches the logits
-directly, and every llama.cpp quantisation mix raises it (Q4_0 uses Q6_K there, which ``gguf``
-cannot produce; Q8_0 is the next type up). Measured with llama.cpp on the tiny synthetic model
-over 2500 corpus tokens (logit std 2.0), against the fp32 file:
+``token_embd.weight`` at Q8_0 and write ``output.weight`` as IQ4_NL (``engine/iq4nl.py``; when
+the embeddings are tied, ``token_embd`` is also the output and stays Q8_0). Measured with
+llama.cpp over corpus tokens against the fp32 (tiny) or bf16 (1.5B) file (the choice is the
+size of the one before):
 
-    int4 variant               size      logit RMS error   top-1 changed   KL
-    everything Q4_0            0.48 MB   0.275             24 %            0.038
-    output Q8_0 (this choice)  0.61 MB   0.215             19 %            0.023
-    output + token_embd Q8_0   0.73 MB   0.120             12 %            0.007
+    int4 variant                       tiny model, 2500 tokens     1.5B synthetic, 512 tokens
+                                       RMS     top-1 same  KL      RMS     top-1 same  KL
+    everything Q4_0                    0.135   78.0 %      0.036
+    output Q8_0 (the choice before)    0.104   84.2 %      0.021   0.711   10.7 %      0.168
+    output IQ4_NL                      0.129   76.8 %      0.033   0.714   10.4 %      0.168
+    output IQ4_NL + token_embd Q8_0    0.093   84.4 %      0.017   0.658   13.7 %      0.142
+    (this choice)
 
-The cost is memory and decode bandwidth (the output matrix is read for every token): +117 MB on
-R1-Distill-Qwen-1.5B's 1.00 GB, +272 MB on 7B's 4.28 GB. ``token_embd`` stays Q4_0, as in
-llama.cpp's Q4_0: in this 2-layer random model the residual stream is still mostly the
-embedding itself, which overstates its share; in a 28-layer model its error enters once and is
-diluted by every layer after it. tests/test_gguf.py checks that this choice beats everything
-Q4_0.
+(RMS: of the logits' error, relative to their spread; the synthetic 1.5B amplifies any error
+through its 28 random layers, hence its figures.) The output matrix is read for every token,
+the embedding only indexed: IQ4_NL output is 131 MB against Q8_0's 248 MB on R1-Distill-Qwen-1.5B
+(single-sequence decode 27-33 -> 24-26 ms a token on 2 cores), and llama.cpp repacks IQ4_NL
+for AVX2 / AVX-512 as it does Q4_0, while it runs Q8_0 through llamafile's kernels, which redo
+each block's scale work for every sequence of a batch: 4 sequences a step took 62-78 ms with a
+Q8_0 output and 40-42 ms with IQ4_NL. llama.cpp's own Q4_0 mix uses Q6_K for the output,
+which is not repacked on x86 either. tests/test_gguf.py checks the choice against the
+Q8_0 output and against everything Q4_0.
 A weight whose rows are not a multiple of the 32-value quantisation block falls back to BF16.
 
 The pre-tokenizer is recognised by its split regex in tokenizer.json: Qwen2's is written as
@@ -67,6 +72,7 @@ from gguf.quants import quantize
 
 from dsr1d.engine.backend import model_name
 from dsr1d.engine.errors import ModelError
+from dsr1d.engine.iq4nl import quantize_iq4_nl
 
 Progress = Callable[[int, int, str], None]
 QT = GGMLQuantizationType
@@ -75,6 +81,7 @@ ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 DTYPES = {"bf16": (QT.BF16, LlamaFileType.MOSTLY_BF16), "fp32": (QT.F32, LlamaFileType.ALL_F32),
           "int8": (QT.Q8_0, LlamaFileType.MOSTLY_Q8_0), "int4": (QT.Q4_0, LlamaFileType.MOSTLY_Q4_0)}
 ALIGNMENT = 32  # GGUFWriter's default general.alignment
+LAYOUT = 2      # raised when the same source and dtype make a different file (the cache's key)
 CHUNK_VALUES = 1 << 23
 DISK_MARGIN = 64 * 1024**2
 MAX_ST_HEADER = 100 * 1024**2  # safetensors' own limit on the JSON header
@@ -455,12 +462,14 @@ def _expected_shapes(hp: _HParams) -> tuple[dict[str, tuple[int, ...]], set[str]
     return shapes, optional
 
 
-def _tensor_type(name: str, shape: tuple[int, ...], dtype: str, tied: bool) -> QT:
+def _tensor_type(name: str, shape: tuple[int, ...], dtype: str) -> QT:
     if len(shape) == 1:
         return QT.F32
     qtype = DTYPES[dtype][0]
-    if dtype == "int4" and (name == "output.weight" or (tied and name == "token_embd.weight")):
+    if dtype == "int4" and name == "token_embd.weight":
         qtype = QT.Q8_0
+    elif dtype == "int4" and name == "output.weight":
+        qtype = QT.IQ4_NL
     if shape[-1] % GGML_QUANT_SIZES[qtype][0]:
         return QT.BF16
     return qtype
@@ -494,7 +503,7 @@ def _plan(hp: _HParams, sources: dict[str, _Source], dtype: str) -> list[_Job]:
                 permute = hp.heads
             elif hp.arch == "llama" and ".attn_k." in name:
                 permute = hp.kv_heads
-            jobs.append(_Job(name, shapes[name], _tensor_type(name, shapes[name], dtype, hp.tied),
+            jobs.append(_Job(name, shapes[name], _tensor_type(name, shapes[name], dtype),
                              source=found[name], permute_heads=permute))
     return jobs
 
@@ -523,10 +532,14 @@ def _encoded_chunks(job: _Job) -> Iterator[np.ndarray]:
             yield np.ascontiguousarray(chunk)
         else:
             f32 = _to_f32(chunk, job.source.dtype)
-            yield f32 if job.qtype == QT.F32 else quantize(f32, job.qtype)
+            yield f32 if job.qtype == QT.F32 else _quantize(f32, job.qtype)
 
 
 # --- writing -------------------------------------------------------------------------------------
+
+def _quantize(values: np.ndarray, qtype: QT) -> np.ndarray:
+    return quantize_iq4_nl(values) if qtype == QT.IQ4_NL else quantize(values, qtype)
+
 
 def _pad(n: int) -> int:
     return -(-n // ALIGNMENT) * ALIGNMENT
@@ -630,7 +643,7 @@ def _fsync_dir(path: Path) -> None:
 def convert(src: Path, out: Path, dtype: str, progress: Progress | None = None) -> Path:
     """Write the GGUF of the Hugging Face directory ``src`` to ``out`` atomically; returns ``out``.
 
-    ``dtype`` is bf16, fp32, int8 (Q8_0) or int4 (Q4_0, output at Q8_0).
+    ``dtype`` is bf16, fp32, int8 (Q8_0) or int4 (Q4_0; the output IQ4_NL, the embedding Q8_0).
     ``progress(done_bytes, total_bytes, tensor_name)`` is called after each tensor. Raises
     ModelError for an unusable directory (no config.json, an unsupported architecture, no
     tokenizer.json, an unknown pre-tokenizer, corrupt or missing weights) or too little disk.
