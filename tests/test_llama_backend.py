@@ -222,6 +222,49 @@ def test_continuous_batching_gives_each_sequence_its_own_greedy_text(
     batcher.close()
 
 
+def test_rows_are_grouped_where_llama_cpp_repacks_the_weights() -> None:
+    avx2 = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | LLAMAFILE = 1 | REPACK = 1 |"
+    assert llama_backend.repacks("int4", avx2) and llama_backend.repacks("Q4_K_M", avx2)
+    assert not llama_backend.repacks("int8", avx2) and not llama_backend.repacks("bf16", avx2)
+    assert not llama_backend.repacks("int4", avx2.replace("REPACK = 1", "REPACK = 0"))
+    assert not llama_backend.repacks("int4", "CPU : SSE3 = 1 | REPACK = 1 |")   # no AVX2
+    assert llama_backend.repacks("int4", "CPU : NEON = 1 | ARM_FMA = 1 | REPACK = 1 |")
+
+
+def test_rows_padded_to_a_group_of_four_change_no_text_and_no_cache(
+        ggufs: dict[str, Path]) -> None:
+    """Two running sequences and a group of 4 (as where llama.cpp repacks the weights): each
+    step carries two throw-away rows in free slots, which leave no trace in their KV caches."""
+    from dsr1d.engine.llama_batch import Batcher
+
+    gen = llama_backend.load(ggufs["int8"], threads=2, context=512, parallel=4)
+    single = llama_backend.load(ggufs["int8"], threads=2, context=512)
+    prompts = ["Why is the sky blue?", "Tell me a story about a cat", "2+2?"]
+    opts = {"greedy": True, "ignore_eos": True, "max_new_tokens": 16}
+    alone = [single.generate(p, opts).text for p in prompts]
+    batcher = Batcher(gen, 4)
+    batcher.group = 4
+    results: dict[int, object] = {}
+    for job, prompt in enumerate((prompts[0], "hello there", "a third one")):
+        results.update(batcher.admit(10 + job, prompt, {**opts, "max_new_tokens": 2}, None,
+                                     lambda: False))
+    while batcher.active:                   # earlier requests leave their prompts in slots
+        results.update(batcher.step())
+    for job, prompt in ((1, prompts[1]), (2, prompts[2])):
+        results.update(batcher.admit(job, prompt, opts, None, lambda: False))
+    free = batcher.free
+    assert len(batcher._padding(len(batcher.active), 0)) == 2
+    held = {s: len(batcher.cached[s]) for s in free}
+    assert max(held.values()) > 0
+    while batcher.active:
+        results.update(batcher.step())
+    assert [results[1].text, results[2].text] == alone[1:]
+    for slot, n in held.items():       # the padding rows were taken out again
+        assert gen.lib.llama_memory_seq_pos_max(batcher.memory, slot) == n - 1
+    assert len(batcher._padding(1, 0)) == 0 and len(batcher._padding(5, 0)) == 0
+    batcher.close()
+
+
 def test_requests_sharing_a_prompt_share_its_kv_cache_and_their_first_step(
         ggufs: dict[str, Path]) -> None:
     from dsr1d.engine.llama_batch import Batcher

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dsr1d.engine.sampling import BLOCK, FIRST_LOOK, TokenSampler, first_reaching, nucleus
+from dsr1d.engine.sampling import BLOCK, TokenSampler, first_reaching, nucleus
 
 OPTS = {"greedy": False, "temperature": 0.6, "top_p": 0.95, "seed": 7}
 
@@ -32,8 +32,21 @@ def test_the_nucleus_is_the_most_likely_tokens_reaching_top_p(scale: float, top_
     assert len(set(ids.tolist()) ^ want) <= 2
     assert probs[ids].sum(dtype=np.float64) >= top_p - 1e-3
     assert list(ids) == sorted(ids)
-    if scale >= 6.0:
-        assert len(ids) < FIRST_LOOK      # peaked: found among the most likely few
+
+
+@pytest.mark.parametrize("top_p", [0.95, 1.0])
+def test_a_row_of_mostly_zeros_keeps_only_tokens_that_can_be_drawn(top_p: float) -> None:
+    """As the synthetic model's: 148k of its 152k tokens barred, so their probability is 0."""
+    rng = np.random.default_rng(5)
+    probs = np.zeros(150_000, dtype=np.float32)
+    live = rng.choice(len(probs), 4_000, replace=False)
+    probs[live] = np.exp(rng.normal(0, 1, len(live)))
+    ids = nucleus(probs, top_p)
+    assert np.all(probs[ids] > 0)
+    if top_p < 1.0:
+        assert len(set(ids.tolist()) ^ reference_nucleus(probs / probs.sum(), top_p)) <= 2
+    else:
+        assert sorted(ids.tolist()) == sorted(live.tolist())
 
 
 @pytest.mark.parametrize("size", [1, 7, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5])

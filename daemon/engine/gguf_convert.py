@@ -82,6 +82,7 @@ DTYPES = {"bf16": (QT.BF16, LlamaFileType.MOSTLY_BF16), "fp32": (QT.F32, LlamaFi
           "int8": (QT.Q8_0, LlamaFileType.MOSTLY_Q8_0), "int4": (QT.Q4_0, LlamaFileType.MOSTLY_Q4_0)}
 ALIGNMENT = 32  # GGUFWriter's default general.alignment
 LAYOUT = 2      # raised when the same source and dtype make a different file (the cache's key)
+LAYOUT_KEY = "dsr1d.layout"
 CHUNK_VALUES = 1 << 23
 DISK_MARGIN = 64 * 1024**2
 MAX_ST_HEADER = 100 * 1024**2  # safetensors' own limit on the JSON header
@@ -537,6 +538,14 @@ def _encoded_chunks(job: _Job) -> Iterator[np.ndarray]:
 
 # --- writing -------------------------------------------------------------------------------------
 
+def layout_of(path: Path) -> int | None:
+    """The ``LAYOUT`` a file was converted with (None: not written here, or before layouts)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(path).fields.get(LAYOUT_KEY)
+    return int(field.parts[field.data[0]][0]) if field else None
+
+
 def _quantize(values: np.ndarray, qtype: QT) -> np.ndarray:
     return quantize_iq4_nl(values) if qtype == QT.IQ4_NL else quantize(values, qtype)
 
@@ -548,6 +557,7 @@ def _pad(n: int) -> int:
 def _metadata(writer: GGUFWriter, name: str, hp: _HParams, vocab: _Vocab, dtype: str,
               generation: dict) -> None:
     writer.add_name(name)
+    writer.add_uint32(LAYOUT_KEY, LAYOUT)
     writer.add_file_type(DTYPES[dtype][1])
     writer.add_quantization_version(GGML_QUANT_VERSION)
     writer.add_context_length(hp.context)

@@ -34,6 +34,9 @@ MEMORY_HEADROOM = 0.9
 # for a 152k vocabulary); prefill on a CPU is compute-bound at far fewer tokens, so 128 costs
 # it nothing measurable and keeps a quarter of that memory
 UBATCH = 128
+# file types whose big matrices llama.cpp repacks on AVX2 / NEON (int4: Q4_0): its kernels for
+# them multiply rows four at a time (see llama_batch.py)
+REPACKED_TYPES = ("int4", "Q4_K", "IQ4_NL")
 # When a file carries no chat template: DeepSeek-R1's turns (no system prompt, as advised).
 R1_USER = "<｜User｜>{content}"
 R1_ASSISTANT = "<｜Assistant｜>{content}<｜end▁of▁sentence｜>"
@@ -52,6 +55,12 @@ def system_info() -> str:
     import llama_cpp
 
     return llama_cpp.llama_print_system_info().decode(errors="replace").strip()
+
+
+def repacks(file_type: str, info: str) -> bool:
+    """Whether llama.cpp (its ``system_info``) repacks the weights of a ``file_type`` file."""
+    return "REPACK = 1" in info and ("AVX2 = 1" in info or "NEON = 1" in info) and \
+        any(file_type.startswith(t) for t in REPACKED_TYPES)
 
 
 def build_info() -> str:
@@ -103,6 +112,7 @@ class LlamaGenerator:
         except (ValueError, RuntimeError) as exc:
             raise ModelError(f"llama.cpp cannot load {info.path}: {exc}") from None
         self.threads = threads
+        self.repacked = repacks(info.file_type, system_info())
         self.vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self._pieces: dict[tuple[int, bool], bytes] = {}

@@ -16,6 +16,14 @@ same prompt again, its KV cache in a free slot or a running one, evaluates nothi
 first token is drawn from them with its own sampler. Text, ``<think>`` split, sampling and
 stats are those of `LlamaGenerator.generate`, which serves one request at a time when
 ``parallel`` is 1.
+
+Rows come in fours where llama.cpp repacks the weights (Q4_0, IQ4_NL, Q4_K on AVX2 / NEON): its
+repacked kernels multiply four rows at once and each row left over on its own, one more pass
+over the weights each. On the 1.5B model in Q4_0 on 2 cores a step of 1, 2, 3, 4, 5, 6, 8 rows
+took 25-31, 49, 66, 40, 61, 82, 82 ms. So a step of 4k + 2 or 4k + 3 rows is padded up to a
+multiple of four with one throw-away token in each of as many free slots, at the end of what
+that slot caches, taken out of its KV cache again after the step (a slot of its own, not a
+running sequence's: llama.cpp splits a batch whose sequences have unequal token counts).
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from dsr1d.textstream import IncrementalDecoder, ThinkSplitter, emit
 PREFILL_CHUNK = 512
 SHARE_MIN = 8          # a shared prefix this much longer than the slot's own is copied over
 SHARE_SLACK = 1024     # ...from a sequence no more than this many tokens past it
+ROW_GROUP = 4          # rows llama.cpp's repacked kernels take at once
+PAD_FROM = 2           # rows left over from which padding to a whole group is faster
 
 
 @dataclass
@@ -77,6 +87,7 @@ class Batcher:
         self.memory = lib.llama_get_memory(self.ctx)
         self.batch = lib.llama_batch_init(max(PREFILL_CHUNK, parallel), 0, 1)
         self.threads = gen.threads
+        self.group = ROW_GROUP if gen.repacked else 1
         self.cached: list[list[int]] = [[] for _ in range(parallel)]   # tokens in each slot
         self.active: dict[int, Sequence] = {}                          # by slot
         self._logits: OrderedDict[tuple[int, ...], Any] = OrderedDict()   # of the latest prompts
@@ -138,8 +149,13 @@ class Batcher:
             self.lib.llama_set_n_threads(self.ctx, threads, threads)
             self.threads = threads
         running = list(self.active.values())
-        self._fill([(s.token, s.pos, s.slot, True) for s in running])
-        self._decode()
+        pads = self._padding(len(running), running[0].token if running else 0)
+        self._fill([(s.token, s.pos, s.slot, True) for s in running] + pads)
+        try:
+            self._decode()
+        finally:
+            for _, pos, slot, _ in pads:
+                self.lib.llama_memory_seq_rm(self.memory, slot, pos, -1)
         now = time.perf_counter()
         for i, seq in enumerate(running):
             self.cached[seq.slot].append(seq.token)
@@ -147,6 +163,17 @@ class Batcher:
             seq.token = self._sample(seq, i)
             seq.first = seq.first or now
         return self._advance(running)
+
+    def _padding(self, rows: int, token: int) -> list[tuple[int, int, int, bool]]:
+        """Throw-away rows that make ``rows`` a whole number of groups, one in each of as many
+        free slots with room left; none when that is not worth it or not possible."""
+        if rows % self.group < PAD_FROM:
+            return []
+        short = self.group - rows % self.group
+        room = [s for s in self.free if len(self.cached[s]) < self.gen.context]
+        if len(room) < short:
+            return []
+        return [(token, len(self.cached[s]), s, False) for s in room[:short]]
 
     def _share(self, slot: int, prefix: list[int], have: int) -> int:
         """Copy into ``slot`` the KV cache of the running sequence sharing most of ``prefix``
