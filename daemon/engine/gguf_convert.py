@@ -4,8 +4,9 @@
 shards are read here (8-byte header length, JSON header, raw data) through memory maps, and each
 tensor is converted in row chunks of ~8M values and appended to the output, so the memory used
 is a few chunks plus the page cache of the tensor being read, whatever the model size. On two
-cores, the 7B shape converts to int4 in 2 minutes with a peak RSS of 1.25 GB, 1.1 GB of which is
-the mapped embedding (1.5B: 28 s; bf16 output is faster, being a copy).
+cores, the 7B shape converts to int4 in 75–95 s (its IQ4_NL output matrix included), peak
+RSS 1.26 GB, 1.1 GB of which is the mapped embedding (1.5B: 25 s; bf16 output is
+faster, being a copy).
 
 What is written follows llama.cpp's own ``convert_hf_to_gguf.py`` so that the file loads like
 one made there: its tensor names (``token_embd``, ``blk.N.attn_q``, ...), the Llama q/k row
