@@ -732,7 +732,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("src", metavar="SRC_DIR", type=Path, help="the Hugging Face model directory")
     p.add_argument("out", metavar="OUT.gguf", type=Path, help="the GGUF file to write")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16",
-                   help="weights: bf16 (default), fp32, int8 (Q8_0) or int4 (Q4_0)")
+                   help="weights: bf16 (default), fp32, int8 (Q8_0) or int4 (Q4_0; the output "
+                        "IQ4_NL, the embedding Q8_0)")
     return p
 
 
