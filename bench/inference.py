@@ -15,8 +15,9 @@ running the model:
 
 ``<p>`` is a GGUF precision: bf16, q8_0, q4_0 (f32 on request). The GGUFs are converted once from
 the synthesized model directory into ``<model>/bench-<p>.gguf`` (reused while newer than
-config.json and of the converter's current layout). Rows of one precision (stock, served and the matching torch row: bf16 with bf16,
-int8 with Q8_0, int4 with Q4_0; baseline and fp32 together) are loaded side by side, each in its
+config.json and of the converter's current layout). Rows of one precision (stock, served and
+the matching torch row: bf16 with bf16, int8 with Q8_0, int4 with Q4_0; baseline and fp32
+together) are loaded side by side, each in its
 own process so that its peak RSS is its own, warmed up once, then measured interleaved: run ``i``
 starts at the ``i``-th row of the group (stock, served, … then served, …, stock), which cancels
 drift. Run ``i`` gives every row the same prompt: a corpus text (a different one per run and for
@@ -517,11 +518,10 @@ def ensure_model(path: Path, preset: str) -> None:
 def ensure_gguf(model_dir: Path, precision: str) -> Path:
     """``<model>/bench-<precision>.gguf``, converted unless one newer than config.json, of the
     converter's current layout, exists."""
-    from dsr1d.engine.gguf_convert import LAYOUT, convert, layout_of
+    from dsr1d.engine.gguf_convert import convert, is_current
 
     path = model_dir / f"bench-{precision}.gguf"
-    if path.exists() and path.stat().st_mtime > (model_dir / "config.json").stat().st_mtime \
-            and layout_of(path) == LAYOUT:
+    if is_current(path, model_dir):
         return path
     print(f"converting {model_dir} to {path.name} (once)…", file=sys.stderr, flush=True)
     return convert(model_dir, path, PRECISIONS[precision])

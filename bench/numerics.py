@@ -28,11 +28,10 @@ TEXT = ("Memory bandwidth bounds the speed of decoding on a CPU: every generated
 def ensure_gguf(model: Path, dtype: str) -> Path:
     """The model converted to ``dtype``, reused while newer than its config and of the
     converter's current layout."""
-    from dsr1d.engine.gguf_convert import LAYOUT, convert, layout_of
+    from dsr1d.engine.gguf_convert import convert, is_current
 
     out = model / f"numerics-{dtype}.gguf"
-    if not out.exists() or out.stat().st_mtime < (model / "config.json").stat().st_mtime \
-            or layout_of(out) != LAYOUT:
+    if not is_current(out, model):
         print(f"converting to {dtype}…", file=sys.stderr, flush=True)
         convert(model, out, dtype)
     return out

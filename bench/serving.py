@@ -10,7 +10,8 @@ decode tok/s (all streams' tokens over the wall time from the first request to t
 token), per-stream time-to-first-token and inter-token latency p50/p99 (streamed chunks: one a
 token, except where the text holds back a partial character or ``</think>`` tag); then dsr1d's
 single stream decode rate (first chunk to last) against the engine's own in-process (the API's
-cost), medians of 3 pairs run one after the other while the daemon is idle, and 1,000 ``/health`` calls made while 4 streams decode (p50/p99).
+cost), medians of 3 pairs run one after the other while the daemon is idle, and 1,000
+``/health`` calls made while 4 streams decode (p50/p99).
 Never passes or fails.
 
 The peer is run as a user runs it: ``python -m llama_cpp.server --model M --n_threads T``

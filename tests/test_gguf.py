@@ -688,3 +688,23 @@ def test_convert_main_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     (tmp_path / "empty").mkdir()
     assert convert_main([str(tmp_path / "empty"), str(tmp_path / "x.gguf")]) == 1
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_a_conversion_is_current_until_its_source_or_the_layout_changes(
+        qwen_dir: Path, tmp_path: Path) -> None:
+    src = Path(shutil.copytree(qwen_dir, tmp_path / "src"))
+    out = convert(src, tmp_path / "m.gguf", "int4")
+    assert gguf_convert.layout_of(out) == gguf_convert.LAYOUT
+    assert gguf_convert.is_current(out, src)
+    assert not gguf_convert.is_current(tmp_path / "missing.gguf", src)
+    later = out.stat().st_mtime + 10
+    os.utime(src / "config.json", (later, later))          # the source edited since
+    assert not gguf_convert.is_current(out, src)
+    os.utime(out, (later + 10, later + 10))
+    assert gguf_convert.is_current(out, src)
+    old = tmp_path / "old.gguf"                             # written before layouts existed
+    writer = gguf.GGUFWriter(str(old), "qwen2")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    assert gguf_convert.layout_of(old) is None and not gguf_convert.is_current(old, src)

@@ -547,6 +547,13 @@ def layout_of(path: Path) -> int | None:
     return int(field.parts[field.data[0]][0]) if field else None
 
 
+def is_current(out: Path, src: Path) -> bool:
+    """Whether ``out`` is a conversion of ``src`` that converting again would not change: newer
+    than its config.json and of this converter's ``LAYOUT`` (the benches' reuse rule)."""
+    return out.exists() and out.stat().st_mtime > (src / "config.json").stat().st_mtime \
+        and layout_of(out) == LAYOUT
+
+
 def _quantize(values: np.ndarray, qtype: QT) -> np.ndarray:
     return quantize_iq4_nl(values) if qtype == QT.IQ4_NL else quantize(values, qtype)
 
