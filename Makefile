@@ -25,7 +25,9 @@ $(STAMP): setup.cfg pyproject.toml tools/apt-deps.sh tools/llama-wheel.sh
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q $(TORCH)
+	# this CPU's own build, also over one installed before (an older build may crash: AMX)
 	wheels=$$(LLAMA_CPP_PYTHON=$(LLAMA_CPP_PYTHON) tools/llama-wheel.sh $(VENV)/bin/python) && \
+	  $(VENV)/bin/pip install -q --no-deps --force-reinstall --no-index --find-links "$$wheels" '$(LLAMA)' && \
 	  $(VENV)/bin/pip install -q --find-links "$$wheels" '$(LLAMA)' -e '.[engine,test,plot]'
 	touch $@
 

@@ -9,6 +9,9 @@ these tests fail rather than skip.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,7 @@ from dsr1d.engine.gguf_convert import convert  # noqa: E402
 from dsr1d.engine.request import InvalidRequest  # noqa: E402
 from dsr1d.engine.synth import synthesize, tokenizer_size  # noqa: E402
 
+REPO = Path(__file__).resolve().parent.parent
 PROMPT = "Why is the sky blue?"
 # Logits of the converted model against the torch fp32 forward pass of the same checkpoint, at
 # every position of a ~25-token sequence. The checkpoint is bf16, so fp32 and bf16 GGUFs hold the
@@ -54,6 +58,41 @@ def test_llama_cpp_is_installed_and_says_what_the_build_uses() -> None:
     assert llama_backend.installed()
     info = llama_backend.system_info()
     assert "AVX" in info or "NEON" in info, info
+
+
+def test_the_installed_build_leaves_out_amx_whose_kernels_crash() -> None:
+    # llama.cpp #20824: on an amx_int8 CPU every prompt of 2+ tokens died of SIGSEGV
+    info = llama_backend.system_info()
+    assert "AMX_INT8 = 1" not in info, info
+    assert llama_backend.amx_warning(info) is None
+    assert "#20824" in llama_backend.amx_warning(info.replace("AVX = 1", "AMX_INT8 = 1 | AVX = 1"))
+
+
+def _wheel_plan(tmp_path: Path, flags: str) -> tuple[str, str]:
+    """The folder and CMake arguments tools/llama-wheel.sh would build with on a CPU of
+    ``flags`` (its dry run: nothing built)."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    env = {**os.environ, "DSR1D_CPUINFO": str(cpuinfo), "DSR1D_WHEEL_DRY_RUN": "1",
+           "DSR1D_WHEEL_CACHE": str(tmp_path / "cache")}
+    out = subprocess.run([str(REPO / "tools" / "llama-wheel.sh"), sys.executable], env=env,
+                         capture_output=True, text=True, check=True)
+    folder, args = out.stdout.splitlines()
+    return folder, args
+
+
+def test_the_wheel_names_its_extensions_without_amx_on_a_cpu_with_amx(tmp_path: Path) -> None:
+    sapphire = ("fpu sse4_2 avx avx2 fma f16c bmi2 avx512f avx512cd avx512bw avx512vl avx512dq "
+                "avx512vbmi avx512_vnni avx512_bf16 avx_vnni amx_tile amx_int8 amx_bf16")
+    folder, args = _wheel_plan(tmp_path, sapphire)
+    assert "-DGGML_NATIVE=OFF" in args.split()     # -march=native would turn AMX back on
+    for option in ("AVX512", "AVX512_VNNI", "AVX512_BF16", "AVX512_VBMI", "AVX2", "FMA"):
+        assert f"-DGGML_{option}=ON" in args.split(), option
+    assert "-DGGML_AMX_INT8=OFF" in args.split()
+    assert folder.endswith("+no-amx") and "amx_int8" not in folder   # not an old AMX build
+    zen4 = sapphire.replace(" amx_tile amx_int8 amx_bf16", "")
+    folder, args = _wheel_plan(tmp_path, zen4)
+    assert args.split() == ["-DGGML_NATIVE=ON"] and "amx" not in folder
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8", "int4"])

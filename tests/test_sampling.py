@@ -118,3 +118,27 @@ def test_nan_logits_are_never_drawn_and_a_row_of_nothing_is_a_clear_error() -> N
     assert {sampler(logits) for _ in range(50)} <= {3, 300}
     with pytest.raises(ModelError, match="no usable logits"):
         TokenSampler(OPTS, np.array([3, 300]))(logits)
+
+
+def test_a_mostly_barred_vocabulary_draws_the_same_tokens_from_its_few_allowed_ones() -> None:
+    from dsr1d.engine.errors import ModelError
+    from dsr1d.engine.sampling import allowed_tokens
+
+    rng = np.random.default_rng(5)
+    vocabulary = 20_000
+    barred = np.arange(1_500, vocabulary)                 # a tokenizer of 1,500 in a padded table
+    allowed = allowed_tokens(barred, vocabulary)
+    assert allowed is not None and allowed.tolist() == list(range(1_500))
+    assert allowed_tokens(np.arange(10), vocabulary) is None   # a few barred: no gathering
+    rows = [rng.normal(0, s, vocabulary).astype(np.float32) for s in (0.3, 1.0, 4.0)]
+    for opts in ({**OPTS, "greedy": True}, {**OPTS, "seed": 11},
+                 {**OPTS, "seed": 12, "top_p": 1.0, "temperature": 1.3}):
+        barring, gathering = TokenSampler(opts, barred), TokenSampler(opts, barred, allowed)
+        for row in rows:
+            before = row.copy()
+            want = [barring(row) for _ in range(40)]
+            assert [gathering(row) for _ in range(40)] == want
+            assert max(want) < 1_500 and np.array_equal(row, before)
+    nothing = np.full(vocabulary, np.nan, dtype=np.float32)
+    with pytest.raises(ModelError, match="no usable logits"):
+        TokenSampler(OPTS, barred, allowed)(nothing)

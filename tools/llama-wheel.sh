@@ -10,22 +10,52 @@
 # multimodal library and other work on the machine). The multimodal library (LLAVA_BUILD) is left
 # out: R1 reads text only.
 #
+# AMX is left out of every build. llama.cpp's AMX int8 kernels (ggml_backend_amx_mul_mat, used
+# for Q4_0/Q8_0/K-quant weights when the CPU has amx_int8) crash with SIGSEGV on the first batch
+# of two or more tokens — any prompt — on Sapphire Rapids-class machines (llama.cpp #20824,
+# closed unfixed; seen on this project's VMs with the tiny and the 1.5B model, stock llama.cpp
+# as well as dsr1d). -march=native would turn AMX on, so on such a CPU the build names each
+# extension it uses itself (GGML_NATIVE=OFF), AMX not among them; the weights are then repacked
+# for AVX-512 as on every other x86 CPU.
+#
 # Usage: tools/llama-wheel.sh PYTHON
+# (DSR1D_CPUINFO: another /proc/cpuinfo to read; DSR1D_WHEEL_DRY_RUN=1: print the folder and the
+# CMake arguments, build nothing — for the tests)
 set -euo pipefail
 PYTHON=${1:-python3}
 VERSION=${LLAMA_CPP_PYTHON:-0.3.36}
 CACHE=${DSR1D_WHEEL_CACHE:-/var/cache/dsr1d-build}
-flags=$(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' |
-    grep -xE 'avx|avx2|fma|f16c|avx_vnni|avx512f|avx512bw|avx512vl|avx512dq|avx512_vnni|avx512_bf16|avx512vbmi|amx_tile|amx_int8|amx_bf16' |
-    sort | paste -sd+ -)
+cpu_flags=$(grep -m1 '^flags' "${DSR1D_CPUINFO:-/proc/cpuinfo}" | tr ' ' '\n')
+flags=$(grep -xE 'avx|avx2|fma|f16c|avx_vnni|avx512f|avx512bw|avx512vl|avx512dq|avx512_vnni|avx512_bf16|avx512vbmi|amx_tile|amx_int8|amx_bf16' \
+    <<<"$cpu_flags" | sort | paste -sd+ - || true)
+has() { grep -qx "$1" <<<"$cpu_flags"; }
+on() { if has "$1"; then echo ON; else echo OFF; fi; }
+if has amx_int8; then
+    # the extensions ggml has options for, each as the CPU has it; AMX off
+    avx512=OFF
+    if has avx512f && has avx512bw && has avx512vl && has avx512dq && has avx512cd; then avx512=ON; fi
+    arch="-DGGML_NATIVE=OFF -DGGML_SSE42=$(on sse4_2) -DGGML_AVX=$(on avx) -DGGML_AVX2=$(on avx2)"
+    arch+=" -DGGML_BMI2=$(on bmi2) -DGGML_FMA=$(on fma) -DGGML_F16C=$(on f16c)"
+    arch+=" -DGGML_AVX_VNNI=$(on avx_vnni) -DGGML_AVX512=$avx512"
+    arch+=" -DGGML_AVX512_VBMI=$(on avx512vbmi) -DGGML_AVX512_VNNI=$(on avx512_vnni)"
+    arch+=" -DGGML_AVX512_BF16=$(on avx512_bf16)"
+    arch+=" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+    flags="$(tr '+' '\n' <<<"$flags" | grep -v '^amx' | paste -sd+ -)+no-amx"
+else
+    arch="-DGGML_NATIVE=ON"
+fi
 pytag=$("$PYTHON" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 dir="$CACHE/llama-cpp-python-$VERSION-$(uname -m)-$pytag-${flags:-generic}"
+if [ -n "${DSR1D_WHEEL_DRY_RUN:-}" ]; then
+    printf '%s\n%s\n' "$dir" "$arch"
+    exit 0
+fi
 if ! ls "$dir"/llama_cpp_python-"$VERSION"-*.whl >/dev/null 2>&1; then
     echo "dsr1d set-up: building llama-cpp-python $VERSION for this CPU (${flags:-no vector extensions}); about 4 minutes on 2 cores, once" >&2
     mkdir -p "$CACHE"
     tmp=$(mktemp -d "$CACHE/.build.XXXXXX")
     trap 'rm -rf "$tmp"' EXIT
-    CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+    CMAKE_ARGS="$arch -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
     CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
         "$PYTHON" -m pip wheel -q --no-deps --no-cache-dir --no-binary llama-cpp-python \
         "llama-cpp-python==$VERSION" -w "$tmp" >&2

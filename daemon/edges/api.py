@@ -344,23 +344,18 @@ class Api:
                       started: float) -> AsyncIterator[tuple[str, str]]:
         """(kind, text) as they come; then the job's result is in ``job.done``."""
         last = None
-        while True:
-            getter = asyncio.ensure_future(run.queue.get())
-            done, _ = await asyncio.wait({getter, job.done}, return_when=asyncio.FIRST_COMPLETED)
-            if getter not in done:
-                getter.cancel()
-                while not run.queue.empty():
-                    for piece in run.feed(run.queue.get_nowait()):
-                        yield piece
-                break
+        # the job's end comes after its last piece (one worker stream, read in order): a None
+        # queued behind them, so a piece costs one queue get, not a task and a wait
+        job.done.add_done_callback(lambda _: run.queue.put_nowait(None))
+        while (piece := await run.queue.get()) is not None:
             now = time.monotonic()
             if last is None:
                 self.metrics.first_token(now - started)
             else:
                 self.metrics.inter_token(now - last)
             last = now
-            for piece in run.feed(getter.result()):
-                yield piece
+            for text in run.feed(piece):
+                yield text
             if run.stopped:
                 await engine.cancel(job.id)
                 break

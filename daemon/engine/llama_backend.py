@@ -25,7 +25,7 @@ from dsr1d.engine.errors import ModelError
 from dsr1d.engine.gguf_file import GGUFInfo
 from dsr1d.engine.request import (DEFAULTS, OnText, Prompt, Result, check_budget, decode_stats,
                                   messages_of)
-from dsr1d.engine.sampling import TokenSampler
+from dsr1d.engine.sampling import TokenSampler, allowed_tokens
 from dsr1d.textstream import IncrementalDecoder, ThinkSplitter, emit
 
 DEFAULT_CONTEXT = 16384
@@ -63,12 +63,23 @@ def repacks(file_type: str, info: str) -> bool:
         any(file_type.startswith(t) for t in REPACKED_TYPES)
 
 
+def amx_warning(info: str) -> str | None:
+    """What to say about a build whose ``system_info`` shows AMX: its int8 kernels crash on
+    the first prompt of two or more tokens on Sapphire Rapids-class CPUs (llama.cpp #20824)."""
+    if "AMX_INT8 = 1" not in info:
+        return None
+    return ("warning: this llama.cpp build uses AMX, whose int8 kernels crash (SIGSEGV) on the "
+            "first prompt on some CPUs (llama.cpp #20824); tools/llama-wheel.sh builds it without")
+
+
 def build_info() -> str:
     """The binding's version and what its build uses here, or why it does not load."""
     try:
         import llama_cpp
 
-        return f"llama.cpp {llama_cpp.__version__}: {system_info()}"
+        info = system_info()
+        warning = amx_warning(info)
+        return f"llama.cpp {llama_cpp.__version__}: {info}" + (f"\n{warning}" if warning else "")
     except (ImportError, OSError) as exc:  # a wheel built for another CPU, a missing library
         return f"llama-cpp-python is installed but does not load: {exc}"
 
@@ -120,6 +131,7 @@ class LlamaGenerator:
         # never sampled: the vocabulary's unused tokens
         self.barred = np.array([t for t in range(self.n_vocab) if llama_cpp.llama_vocab_get_attr(
             self.vocab, t) & llama_cpp.LLAMA_TOKEN_ATTR_UNUSED], dtype=np.intp)
+        self.allowed = allowed_tokens(self.barred, self.n_vocab)
         self.template = _compile(info.chat_template)
         bos = info.bos_id
         self.bos_text = self.piece(bos, True).decode(errors="replace") if bos is not None else ""
@@ -237,7 +249,7 @@ class LlamaGenerator:
     def sampler(self, opts: dict[str, Any]) -> TokenSampler:
         """A request's sampler (`sampling.TokenSampler`, the rule both backends share), the
         vocabulary's unused tokens barred."""
-        return TokenSampler(opts, self.barred)
+        return TokenSampler(opts, self.barred, self.allowed)
 
     def _set_threads(self, wanted: int | None) -> None:
         if wanted and wanted != self.threads:

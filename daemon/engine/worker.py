@@ -25,6 +25,7 @@ than the daemon's limit, or garbage, makes the daemon treat the worker as dead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -33,7 +34,7 @@ import sys
 import threading
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from dsr1d.constants import ENGINE_BACKENDS
 
@@ -53,11 +54,29 @@ class Channel:
         self.sock = sock
         self.reader = sock.makefile("r", encoding="utf-8")
         self.lock = threading.Lock()
+        self._held: list[bytes] | None = None      # lines `held` back by the generating thread
+        self._holder = 0
 
     def send(self, **message: Any) -> None:
         data = (json.dumps(message) + "\n").encode()
+        if self._held is not None and threading.get_ident() == self._holder:
+            self._held.append(data)
+            return
         with self.lock:
             self.sock.sendall(data)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """This thread's sends go out together at the end, in one write: a batch step's tokens
+        of every sequence wake the daemon once, not once a sequence."""
+        self._held, self._holder = [], threading.get_ident()
+        try:
+            yield
+        finally:
+            lines, self._held = self._held, None
+            if lines:
+                with self.lock:
+                    self.sock.sendall(b"".join(lines))
 
     def receive(self) -> dict[str, Any] | None:
         line = self.reader.readline()
@@ -141,8 +160,9 @@ class Worker:
                 if ending:
                     return
                 continue
-            for finished, result in batcher.step(self.threads):
-                self._result(finished, result)
+            with self.channel.held():
+                for finished, result in batcher.step(self.threads):
+                    self._result(finished, result)
 
     def _on_text(self, job_id: int) -> Any:
         def on_text(piece: str) -> None:
@@ -220,6 +240,8 @@ def _load_llama(args: argparse.Namespace, channel: Channel, choice: Any) -> tupl
         dtype_reason = f"the GGUF file's precision (engine_dtype {args.dtype} applies to " \
                        f"Hugging Face directories only)"
     channel.send(ev="log", message=f"llama.cpp: {llama_backend.system_info()}")
+    if (warning := llama_backend.amx_warning(llama_backend.system_info())) is not None:
+        channel.send(ev="log", message=warning)
     from dsr1d.engine.request import model_sampling
 
     parallel = max(1, args.parallel)
