@@ -7,7 +7,10 @@ for a 152k vocabulary on a 2-core VM, a tenth of a decode step, paid once per se
 batch. Here only the values are sorted (SIMD) to find the probability the nucleus ends at;
 the tokens at or above it are then drawn from in id order. Running sums are taken a block at
 a time (the block totals, then one block's own sum), not over the whole row: numpy's
-``cumsum`` is sequential and cost half a millisecond per pass over 152k values.
+``cumsum`` is sequential and cost half a millisecond per pass over 152k values. Where most of
+the vocabulary is barred (a table padded far beyond its tokenizer, as the synthetic models'
+152k rows over 4k tokens), the allowed ids are gathered first and every pass is over them:
+0.96 → 0.11 ms a row there.
 """
 
 from __future__ import annotations
