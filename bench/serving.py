@@ -11,7 +11,9 @@ token), per-stream time-to-first-token and inter-token latency p50/p99 (streamed
 token, except where the text holds back a partial character or ``</think>`` tag); then dsr1d's
 single stream decode rate (first chunk to last) against the engine's own in-process (the API's
 cost), medians of 3 pairs run one after the other while the daemon is idle, and 1,000
-``/health`` calls made while 4 streams decode (p50/p99).
+``/health`` calls made while 4 streams decode (p50/p99). First, what bounds the 4-stream
+target whatever the API does: the engine's own `Batcher` step at 1 and at 4 rows, in a child
+with the worker's environment (weights in huge pages), and the most 4 streams can gain from it.
 Never passes or fails.
 
 The peer is run as a user runs it: ``python -m llama_cpp.server --model M --n_threads T``
@@ -48,6 +50,7 @@ LEVELS = (1, 2, 4, 8)
 PROMPT = "Explain, step by step, why the sky is blue and sunsets are red."
 OURS = {"ignore_eos": True}      # the synthetic model's random text would end anywhere
 PAIRS = 3                        # single streams in-process and through the API, interleaved
+CEILING_STEPS = 40               # in-process batch steps timed at 1 and at 4 rows
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -137,6 +140,43 @@ def engine_rate(gen: Any, tokens: int, seed: int) -> float:
     stats = gen.generate(PROMPT, {"max_new_tokens": tokens, "ignore_eos": True,
                                   "seed": seed}).stats
     return float(stats["decode_tokens_per_s"])
+
+
+def ceiling_child(model: Path, threads: int) -> None:
+    """In this process (started with the worker's environment): a `Batcher`'s step at 1 and at 4
+    rows, sampled as the streams are (temperature 0.6), medians; prints them as JSON."""
+    from dsr1d.engine.llama_backend import load
+    from dsr1d.engine.llama_batch import Batcher
+
+    batcher = Batcher(load(model, threads=threads, context=1024, parallel=4), 4)
+    out: dict[str, float] = {}
+    for rows in (1, 4):
+        for i in range(rows):
+            batcher.admit(i, f"{PROMPT} Answer for reader {i}.",
+                          {"max_new_tokens": CEILING_STEPS, "temperature": 0.6, "seed": i + 1,
+                           "ignore_eos": True}, None, lambda: False)
+        times = []
+        while batcher.active:
+            full = len(batcher.active) == rows
+            start = time.perf_counter()
+            batcher.step()
+            if full:
+                times.append(time.perf_counter() - start)
+        out[f"step_{rows}_s"] = statistics.median(times[3:])
+    print(json.dumps(out))
+
+
+def kernel_ceiling(model: Path, threads: int) -> dict[str, float]:
+    """What 4 streams can gain over one whatever the API does: the engine's own 1-row and 4-row
+    steps, in a child with the worker's environment (weights in huge pages, as served)."""
+    from dsr1d.edges.engine_host import worker_environment
+
+    child = subprocess.run([sys.executable, __file__, "--ceiling-child", "--model", str(model),
+                            "--threads", str(threads)], env=worker_environment(),
+                           capture_output=True, text=True, check=True)
+    out = json.loads(child.stdout.splitlines()[-1])
+    out["ceiling_at_4"] = 4 * out["step_1_s"] / out["step_4_s"]
+    return out
 
 
 def single_pairs(gen: Any, client: Any, model: str, tokens: int) -> dict[str, Any]:
@@ -247,11 +287,19 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2)))
+    ap.add_argument("--ceiling-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.ceiling_child:
+        ceiling_child(args.model, args.threads)
+        return
     if not args.model.is_file():
         raise SystemExit(f"bench/serving.py: no {args.model}: run bench/inference.py once to "
                          "write the synthetic 1.5B model's GGUFs, or pass --model")
     print(f"model {args.model.name}, {args.threads} threads, {args.tokens} tokens a stream")
+    ceiling = kernel_ceiling(args.model, args.threads)
+    print(f"  in process, as the worker runs: a step of 1 row {ceiling['step_1_s'] * 1000:.1f} ms, "
+          f"of 4 rows {ceiling['step_4_s'] * 1000:.1f} ms: 4 streams gain at most "
+          f"{ceiling['ceiling_at_4']:.2f}x over one", flush=True)
     gen = load_engine(args.model, args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         ours = run_dsr1d(args.model, args.threads, args.tokens, Path(tmp), gen)
@@ -285,7 +333,7 @@ def main() -> None:
           f"/health while 4 streams decode: {h['calls']} calls, p50 "
           f"{h['p50_ms']:.2f} ms, p99 {h['p99_ms']:.2f} ms")
     print(f"at 4 streams: {ours[4]['aggregate_tok_s'] / ours[1]['aggregate_tok_s']:.2f}x our "
-          f"single stream, {ours[4]['aggregate_tok_s'] / peer[4]['aggregate_tok_s']:.2f}x the "
+          f"single stream (the engine's steps allow {ceiling['ceiling_at_4']:.2f}x), {ours[4]['aggregate_tok_s'] / peer[4]['aggregate_tok_s']:.2f}x the "
           f"peer's ({ours[4]['aggregate_tok_s'] / queued[4]['aggregate_tok_s']:.2f}x without "
           f"interrupts); TTFT p50 at 4 streams {ours[4]['ttft_p50_s'] * 1000:.0f} ms vs "
           f"{peer[4]['ttft_p50_s'] * 1000:.0f} ms ({queued[4]['ttft_p50_s'] * 1000:.0f} ms "
@@ -294,7 +342,7 @@ def main() -> None:
           f"{peer['4 distinct']['ttft_p50_s'] * 1000:.0f} ms")
     for name, ok in targets.items():
         print(f"target {name}: {'met' if ok else 'MISSED'}")
-    print(json.dumps({"engine_tok_s": engine, "dsr1d": ours, "peer": peer,
+    print(json.dumps({"engine_tok_s": engine, "ceiling": ceiling, "dsr1d": ours, "peer": peer,
                       "peer_no_interrupts": queued, "targets": targets},
                      indent=1, default=str))
 
