@@ -297,8 +297,8 @@ def main() -> None:
                          "write the synthetic 1.5B model's GGUFs, or pass --model")
     print(f"model {args.model.name}, {args.threads} threads, {args.tokens} tokens a stream")
     ceiling = kernel_ceiling(args.model, args.threads)
-    print(f"  in process, as the worker runs: a step of 1 row {ceiling['step_1_s'] * 1000:.1f} ms, "
-          f"of 4 rows {ceiling['step_4_s'] * 1000:.1f} ms: 4 streams gain at most "
+    print(f"  in process, as the worker runs: a step of 1 row "
+          f"{ceiling['step_1_s'] * 1000:.1f} ms, of 4 rows {ceiling['step_4_s'] * 1000:.1f} ms: 4 streams gain at most "
           f"{ceiling['ceiling_at_4']:.2f}x over one", flush=True)
     gen = load_engine(args.model, args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -333,7 +333,8 @@ def main() -> None:
           f"/health while 4 streams decode: {h['calls']} calls, p50 "
           f"{h['p50_ms']:.2f} ms, p99 {h['p99_ms']:.2f} ms")
     print(f"at 4 streams: {ours[4]['aggregate_tok_s'] / ours[1]['aggregate_tok_s']:.2f}x our "
-          f"single stream (the engine's steps allow {ceiling['ceiling_at_4']:.2f}x), {ours[4]['aggregate_tok_s'] / peer[4]['aggregate_tok_s']:.2f}x the "
+          f"single stream (the engine's steps allow {ceiling['ceiling_at_4']:.2f}x), "
+          f"{ours[4]['aggregate_tok_s'] / peer[4]['aggregate_tok_s']:.2f}x the "
           f"peer's ({ours[4]['aggregate_tok_s'] / queued[4]['aggregate_tok_s']:.2f}x without "
           f"interrupts); TTFT p50 at 4 streams {ours[4]['ttft_p50_s'] * 1000:.0f} ms vs "
           f"{peer[4]['ttft_p50_s'] * 1000:.0f} ms ({queued[4]['ttft_p50_s'] * 1000:.0f} ms "

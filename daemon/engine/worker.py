@@ -239,8 +239,9 @@ def _load_llama(args: argparse.Namespace, channel: Channel, choice: Any) -> tupl
     elif args.dtype != "auto":
         dtype_reason = f"the GGUF file's precision (engine_dtype {args.dtype} applies to " \
                        f"Hugging Face directories only)"
-    channel.send(ev="log", message=f"llama.cpp: {llama_backend.system_info()}")
-    if (warning := llama_backend.amx_warning(llama_backend.system_info())) is not None:
+    system_info = llama_backend.system_info()
+    channel.send(ev="log", message=f"llama.cpp: {system_info}")
+    if (warning := llama_backend.amx_warning(system_info)) is not None:
         channel.send(ev="log", message=warning)
     from dsr1d.engine.request import model_sampling
 
@@ -253,7 +254,7 @@ def _load_llama(args: argparse.Namespace, channel: Channel, choice: Any) -> tupl
         "model": info.name, "dtype": info.file_type, "dtype_reason": dtype_reason,
         "threads": generator.threads, "parameters": info.parameters,
         "context": generator.context, "backend": "llamacpp", "backend_reason": choice.reason,
-        "gguf": str(path), "system_info": llama_backend.system_info(),
+        "gguf": str(path), "system_info": system_info,
         "weights": "file mmap" if args.mmap else "anonymous memory"}
 
 
