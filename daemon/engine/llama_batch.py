@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dsr1d.engine.errors import ModelError
-from dsr1d.engine.llama_backend import LlamaGenerator
+from dsr1d.engine import pages
+from dsr1d.engine.llama_backend import UBATCH, LlamaGenerator
 from dsr1d.engine.request import DEFAULTS, OnText, Prompt, Result, check_budget, decode_stats
 from dsr1d.engine.sampling import TokenSampler
 from dsr1d.textstream import IncrementalDecoder, ThinkSplitter, emit
@@ -77,13 +78,16 @@ class Batcher:
         params = lib.llama_context_default_params()
         params.n_ctx = gen.context * parallel
         params.n_batch = max(PREFILL_CHUNK, parallel)
-        params.n_ubatch = max(PREFILL_CHUNK, parallel)
+        params.n_ubatch = max(UBATCH, parallel)
         params.n_seq_max = parallel
         params.n_threads = params.n_threads_batch = gen.threads
+        mapped = pages.anon_ranges()
         self.ctx = lib.llama_init_from_model(gen.llm.model, params)
         if not self.ctx:
             raise ModelError(f"llama.cpp cannot make a context of {parallel} sequences of "
                              f"{gen.context} tokens (memory?)")
+        # every slot's KV cache, zero-filled by llama.cpp: resident only as it fills
+        self.given_back = pages.give_back_zero_pages(since=mapped)
         self.memory = lib.llama_get_memory(self.ctx)
         self.batch = lib.llama_batch_init(max(PREFILL_CHUNK, parallel), 0, 1)
         self.threads = gen.threads

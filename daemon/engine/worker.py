@@ -247,6 +247,7 @@ def _load_llama(args: argparse.Namespace, channel: Channel, choice: Any) -> tupl
 
     parallel = max(1, args.parallel)
     generator = llama_backend.load(path, max(1, args.threads), args.context, args.mmap, parallel)
+    _log_given_back(channel, generator.given_back, "the context")
     info = generator.info
     return generator, {
         "parallel": parallel,
@@ -256,6 +257,12 @@ def _load_llama(args: argparse.Namespace, channel: Channel, choice: Any) -> tupl
         "context": generator.context, "backend": "llamacpp", "backend_reason": choice.reason,
         "gguf": str(path), "system_info": system_info,
         "weights": "file mmap" if args.mmap else "anonymous memory"}
+
+
+def _log_given_back(channel: Channel, size: int, what: str) -> None:
+    if size >= 1 << 20:
+        channel.send(ev="log", message=f"gave back {size / 2**20:.0f} MiB that {what} held as "
+                                       f"zeros (the KV cache, resident as it fills)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         except ModelError as exc:
             channel.send(ev="error", job=None, name="ModelError", message=str(exc))
             return 2
+        _log_given_back(channel, batcher.given_back, f"{ready['parallel']} slots")
         channel.send(ev="ready", **ready)
         worker.serve_batched(batcher, ready.get("sampling", {}))
         return 0
