@@ -1,4 +1,4 @@
-"""Plain-text tables for terminals and scripts."""
+"""Plain-text tables and sizes for terminals, logs and scripts."""
 
 from __future__ import annotations
 
@@ -14,3 +14,8 @@ def render(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
         padded = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])] + [row[-1]]
         lines.append("  ".join(padded).rstrip())
     return "\n".join(lines)
+
+
+def human_size(nbytes: float) -> str:
+    """Bytes as GB from 0.1 GB up, as MB below (``12.3 MB``, ``1.5 GB``)."""
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"

@@ -8,6 +8,7 @@ with the reason while the control plane keeps answering.
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Iterator
@@ -128,6 +129,8 @@ def test_an_hf_directory_under_auto_is_converted_once_into_the_cache(tiny_model:
             cache = tmp_path / "run0" / "cache"
             if run == 0:
                 assert "converting" in log and "using the cached conversion" not in log
+                # progress in sizes one can read: a 1 MB model is not "0.00 of 0.00 GB"
+                assert re.search(r"converting to GGUF: 100 % \([\d.]+ MB of [\d.]+ MB", log), log
                 entries = sorted(p.name for p in cache.glob("*.gguf"))
                 assert len(entries) == 1
                 # the second daemon shares this cache

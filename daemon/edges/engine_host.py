@@ -23,6 +23,7 @@ import psutil
 
 from dsr1d.contract.sysroot import SysRoot
 from dsr1d.core.placement import Placement, describe, plan, read_topology
+from dsr1d.table import human_size
 
 log = logging.getLogger("dsr1d")
 
@@ -382,8 +383,8 @@ class EngineHost:
         tenth = 10 * done // max(total, 1)
         if tenth > self.info.get("converted_tenths", -1):
             self.info["converted_tenths"] = tenth
-            log.info("engine converting to GGUF: %d %% (%.2f of %.2f GB, %s)", 10 * tenth,
-                     done / 1e9, total / 1e9, name)
+            log.info("engine converting to GGUF: %d %% (%s of %s, %s)", 10 * tenth,
+                     human_size(done), human_size(total), name)
 
     def _finish(self, event: dict[str, Any]) -> None:
         job = self.jobs.pop(event["job"], None)

@@ -74,6 +74,7 @@ from gguf.quants import quantize
 from dsr1d.engine.backend import model_name
 from dsr1d.engine.errors import ModelError
 from dsr1d.engine.iq4nl import quantize_iq4_nl
+from dsr1d.table import human_size
 
 Progress = Callable[[int, int, str], None]
 QT = GGMLQuantizationType
@@ -614,8 +615,8 @@ def _check_space(out: Path, need: int) -> None:
     free = shutil.disk_usage(out.parent).free
     if free < need + DISK_MARGIN:
         raise ModelError(f"not enough free disk space in {out.parent}: the GGUF file needs "
-                         f"{_size(need)} and {_size(free)} is free (free some space, pick another "
-                         f"directory, or a smaller --dtype)")
+                         f"{human_size(need)} and {human_size(free)} is free (free some space, "
+                         f"pick another directory, or a smaller --dtype)")
 
 
 def _write_header(path: Path, arch: str, jobs: list[_Job],
@@ -701,10 +702,6 @@ def convert(src: Path, out: Path, dtype: str, progress: Progress | None = None) 
 
 # --- command line --------------------------------------------------------------------------------
 
-def _size(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
-
-
 class _LayerProgress:
     """Prints one stderr line per finished layer (and for the embedding and the output)."""
 
@@ -719,7 +716,7 @@ class _LayerProgress:
         return "output" if name.startswith("output") else "token_embd"
 
     def _print(self, total: int) -> None:
-        print(f"{self.done / total:4.0%} {_size(self.done)}/{_size(total)} {self.group}",
+        print(f"{self.done / total:4.0%} {human_size(self.done)}/{human_size(total)} {self.group}",
               file=sys.stderr, flush=True)
 
     def __call__(self, done: int, total: int, name: str) -> None:
@@ -760,7 +757,7 @@ def convert_main(argv: list[str] | None = None) -> int:
         print(f"dsr1d model convert: interrupted; {args.out} was not written", file=sys.stderr)
         return 130
     print(f"{path}: {info.name} ({info.architecture}), {info.parameters:,} parameters, "
-          f"{_size(path.stat().st_size)} {info.file_type}, {time.monotonic() - start:.1f} s")
+          f"{human_size(path.stat().st_size)} {info.file_type}, {time.monotonic() - start:.1f} s")
     return 0
 
 
