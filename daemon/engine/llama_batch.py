@@ -34,8 +34,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from dsr1d.engine.errors import ModelError
 from dsr1d.engine import pages
+from dsr1d.engine.errors import ModelError
 from dsr1d.engine.llama_backend import UBATCH, LlamaGenerator
 from dsr1d.engine.request import DEFAULTS, OnText, Prompt, Result, check_budget, decode_stats
 from dsr1d.engine.sampling import TokenSampler
