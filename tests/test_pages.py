@@ -91,6 +91,33 @@ def test_anonymous_ranges_come_from_proc_maps(tmp_path: Path) -> None:
     assert pages.anon_ranges(tmp_path / "missing") == []
 
 
+def _zeros(pages_: int) -> tuple[mmap.mmap, int]:
+    mem = mmap.mmap(-1, pages_ * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for page in range(pages_):
+        mem[page * PAGE] = 0
+    return mem, ctypes.addressof(ctypes.c_char.from_buffer(mem))
+
+
+def test_only_what_making_the_context_mapped_is_given_back() -> None:
+    """Weights that happen to be zeros were loaded before the context: they stay resident."""
+    pytest.importorskip("llama_cpp")
+    from dsr1d.engine.llama_backend import new_context
+
+    weights, weights_addr = _zeros(64)
+    made: list[tuple[mmap.mmap, int]] = []
+
+    def make(model: object, params: object) -> str:   # stands in for llama_init_from_model
+        made.append(_zeros(64))
+        return "ctx"
+
+    ctx, size = new_context(None, None, make)
+    kv, kv_addr = made[0]
+    assert ctx == "ctx" and size >= 64 * PAGE
+    assert not any(_resident(kv_addr, len(kv)))
+    assert all(_resident(weights_addr, len(weights)))
+    assert new_context(None, None, lambda model, params: None) == (None, 0)
+
+
 # Run in a process of its own with the worker's environment, as the worker loads a model.
 KV_SCRIPT = """
 import json, sys

@@ -13,11 +13,12 @@ health pings meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -116,17 +117,17 @@ class LlamaGenerator:
         self.info = info
         self.context = effective_context(info, context)
         _quiet_logs(llama_cpp)
-        mapped = pages.anon_ranges()
+        given: list[int] = []
         try:
             # own_kv False: a Batcher holds the KV caches; this context only tokenizes
-            self.llm = Llama(model_path=str(info.path),
-                             n_ctx=self.context if own_kv else 64, n_batch=512, n_ubatch=UBATCH,
-                             n_threads=threads, n_threads_batch=threads, use_mmap=use_mmap,
-                             verbose=False)
+            with _contexts_give_back(given):
+                self.llm = Llama(model_path=str(info.path),
+                                 n_ctx=self.context if own_kv else 64, n_batch=512,
+                                 n_ubatch=UBATCH, n_threads=threads, n_threads_batch=threads,
+                                 use_mmap=use_mmap, verbose=False)
         except (ValueError, RuntimeError) as exc:
             raise ModelError(f"llama.cpp cannot load {info.path}: {exc}") from None
-        # the KV cache llama.cpp zero-filled and nothing uses yet (a Batcher gives back its own)
-        self.given_back = pages.give_back_zero_pages(since=mapped)
+        self.given_back = sum(given)
         self.threads = threads
         self.repacked = repacks(info.file_type, system_info())
         self.vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
@@ -304,6 +305,39 @@ def load(path: Path, threads: int, context: int = 0, use_mmap: bool = False,
     info = inspect_gguf(path)
     check_memory(info, effective_context(info, context) * max(1, parallel))
     return LlamaGenerator(info, threads, context, use_mmap, own_kv=parallel <= 1)
+
+
+def new_context(model: Any, params: Any, make: Callable[..., Any] | None = None
+                ) -> tuple[Any, int]:
+    """``llama_init_from_model``, then the KV cache it zero-filled given back (`pages`): the
+    context (None where llama.cpp could not make it) and the bytes given back. Only what was
+    mapped while the context was made is looked at, never the weights loaded before."""
+    import llama_cpp.llama_cpp as bindings
+
+    mapped = pages.anon_ranges()
+    ctx = (make or bindings.llama_init_from_model)(model, params)
+    return ctx, pages.give_back_zero_pages(since=mapped) if ctx else 0
+
+
+@contextlib.contextmanager
+def _contexts_give_back(given: list[int]) -> Iterator[None]:
+    """While llama-cpp-python's ``Llama`` loads: its context goes through `new_context` (it is
+    made through ``llama_cpp.llama_cpp.llama_init_from_model``, after the model), the bytes
+    given back appended to ``given``."""
+    import llama_cpp.llama_cpp as bindings
+
+    make = bindings.llama_init_from_model
+
+    def init(model: Any, params: Any) -> Any:
+        ctx, size = new_context(model, params, make)
+        given.append(size)
+        return ctx
+
+    bindings.llama_init_from_model = init
+    try:
+        yield
+    finally:
+        bindings.llama_init_from_model = make
 
 
 def effective_context(info: GGUFInfo, requested: int) -> int:

@@ -34,9 +34,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from dsr1d.engine import pages
 from dsr1d.engine.errors import ModelError
-from dsr1d.engine.llama_backend import UBATCH, LlamaGenerator
+from dsr1d.engine.llama_backend import UBATCH, LlamaGenerator, new_context
 from dsr1d.engine.request import DEFAULTS, OnText, Prompt, Result, check_budget, decode_stats
 from dsr1d.engine.sampling import TokenSampler
 from dsr1d.textstream import IncrementalDecoder, ThinkSplitter, emit
@@ -85,13 +84,11 @@ class Batcher:
         # flash attention on a CPU, whose steps at ~1,500 tokens of context took 122 ms for four
         # rows and 57 for one against 113 and 56 without (1.5B Q4_0, 2 cores; equal at ~200)
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        mapped = pages.anon_ranges()
-        self.ctx = lib.llama_init_from_model(gen.llm.model, params)
+        # every slot's KV cache, zero-filled by llama.cpp: given back, resident as it fills
+        self.ctx, self.given_back = new_context(gen.llm.model, params)
         if not self.ctx:
             raise ModelError(f"llama.cpp cannot make a context of {parallel} sequences of "
                              f"{gen.context} tokens (memory?)")
-        # every slot's KV cache, zero-filled by llama.cpp: resident only as it fills
-        self.given_back = pages.give_back_zero_pages(since=mapped)
         self.memory = lib.llama_get_memory(self.ctx)
         self.batch = lib.llama_batch_init(max(PREFILL_CHUNK, parallel), 0, 1)
         self.threads = gen.threads
