@@ -298,8 +298,8 @@ def main() -> None:
     print(f"model {args.model.name}, {args.threads} threads, {args.tokens} tokens a stream")
     ceiling = kernel_ceiling(args.model, args.threads)
     print(f"  in process, as the worker runs: a step of 1 row "
-          f"{ceiling['step_1_s'] * 1000:.1f} ms, of 4 rows {ceiling['step_4_s'] * 1000:.1f} ms: 4 streams gain at most "
-          f"{ceiling['ceiling_at_4']:.2f}x over one", flush=True)
+          f"{ceiling['step_1_s'] * 1000:.1f} ms, of 4 rows {ceiling['step_4_s'] * 1000:.1f} ms: "
+          f"4 streams gain at most {ceiling['ceiling_at_4']:.2f}x over one", flush=True)
     gen = load_engine(args.model, args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         ours = run_dsr1d(args.model, args.threads, args.tokens, Path(tmp), gen)

@@ -99,7 +99,8 @@ def _resident_runs(start: int, end: int) -> list[Range]:
     """Runs of resident pages in [start, end), as page indexes from ``start``."""
     count = (end - start) // PAGE
     vec = ctypes.create_string_buffer(count)
-    if _LIBC is None or _LIBC.mincore(start, end - start, vec) != 0:
+    assert _LIBC is not None
+    if _LIBC.mincore(start, end - start, vec) != 0:
         return []
     runs, first = [], None
     for i, byte in enumerate(vec.raw):
