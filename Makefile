@@ -20,7 +20,7 @@ UNITDIR ?= /lib/systemd/system
 
 setup: $(STAMP)
 
-$(STAMP): setup.cfg pyproject.toml tools/apt-deps.sh tools/llama-wheel.sh
+$(STAMP): setup.cfg pyproject.toml tools/apt-deps.sh tools/llama-wheel.sh $(wildcard tools/llama-patches/*.patch)
 	tools/apt-deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip

@@ -91,6 +91,19 @@ def test_anonymous_ranges_come_from_proc_maps(tmp_path: Path) -> None:
     assert pages.anon_ranges(tmp_path / "missing") == []
 
 
+def test_a_file_is_mapped_only_where_proc_maps_names_it(tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    maps = tmp_path / "maps"
+    maps.write_text(f"7f0000000000-7f0000400000 r--p 00000000 08:01 42         {model}\n"
+                    f"7f0000600000-7f0000700000 rw-p 00001000 08:01 43         {model}.bak\n")
+    assert pages.maps_file(model, maps)
+    assert not pages.maps_file(tmp_path / "other.gguf", maps)
+    assert not pages.maps_file(model, tmp_path / "missing")
+    with model.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ):
+        assert pages.maps_file(model)       # this process, as /proc/self/maps shows it
+
+
 def _zeros(pages_: int) -> tuple[mmap.mmap, int]:
     mem = mmap.mmap(-1, pages_ * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     for page in range(pages_):

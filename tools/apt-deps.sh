@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages dsr1d's set-up, tests and demo need; skips those already there.
 set -euo pipefail
-PACKAGES=(python3 python3-venv python3-dev gcc g++ cmake make man-db pkg-config libsystemd-dev dbus dbus-daemon systemd debootstrap systemd-container linux-cpupower curl)
+PACKAGES=(python3 python3-venv python3-dev gcc g++ cmake make man-db pkg-config libsystemd-dev dbus dbus-daemon systemd debootstrap systemd-container linux-cpupower curl patch)
 missing=()
 for pkg in "${PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

@@ -18,6 +18,13 @@
 # extension it uses itself (GGML_NATIVE=OFF), AMX not among them; the weights are then repacked
 # for AVX-512 as on every other x86 CPU.
 #
+# The source is patched before the build with tools/llama-patches/*.patch (each says what it
+# does; the cache folder carries a hash of them, so a changed patch builds again):
+# - lazy-embeddings.patch: the R1 distills' embedding table (qwen2, llama) stays in the file and
+#   is read row by row when the caller sets lazy_mode ON, as dsr1d's worker does; a decoded token
+#   reads one row of it, so loading all of it (237 MiB for the 1.5B in Q8_0, 0.5 GiB for the 8B) only
+#   cost memory. Callers that keep llama.cpp's default (AUTO) load it as before.
+#
 # Usage: tools/llama-wheel.sh PYTHON
 # (DSR1D_CPUINFO: another /proc/cpuinfo to read; DSR1D_WHEEL_DRY_RUN=1: print the folder and the
 # CMake arguments, build nothing — for the tests)
@@ -45,7 +52,9 @@ else
     arch="-DGGML_NATIVE=ON"
 fi
 pytag=$("$PYTHON" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-dir="$CACHE/llama-cpp-python-$VERSION-$(uname -m)-$pytag-${flags:-generic}"
+patches=("$(dirname "$0")"/llama-patches/*.patch)
+patched=$(cat "${patches[@]}" | sha256sum | cut -c1-8)
+dir="$CACHE/llama-cpp-python-$VERSION-$(uname -m)-$pytag-${flags:-generic}-p$patched"
 if [ -n "${DSR1D_WHEEL_DRY_RUN:-}" ]; then
     printf '%s\n%s\n' "$dir" "$arch"
     exit 0
@@ -55,10 +64,17 @@ if ! ls "$dir"/llama_cpp_python-"$VERSION"-*.whl >/dev/null 2>&1; then
     mkdir -p "$CACHE"
     tmp=$(mktemp -d "$CACHE/.build.XXXXXX")
     trap 'rm -rf "$tmp"' EXIT
+    "$PYTHON" -m pip download -q --no-deps --no-binary llama-cpp-python \
+        "llama-cpp-python==$VERSION" -d "$tmp/src" >&2
+    tar -xzf "$tmp/src/llama_cpp_python-$VERSION.tar.gz" -C "$tmp/src"
+    for p in "${patches[@]}"; do
+        patch -s -p1 -d "$tmp/src/llama_cpp_python-$VERSION" <"$p" >&2
+    done
     CMAKE_ARGS="$arch -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
     CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-        "$PYTHON" -m pip wheel -q --no-deps --no-cache-dir --no-binary llama-cpp-python \
-        "llama-cpp-python==$VERSION" -w "$tmp" >&2
+        "$PYTHON" -m pip wheel -q --no-deps --no-cache-dir "$tmp/src/llama_cpp_python-$VERSION" \
+        -w "$tmp" >&2
+    rm -rf "$tmp/src"
     chmod 755 "$tmp"
     rm -rf "$dir"
     mv "$tmp" "$dir"

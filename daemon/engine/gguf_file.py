@@ -72,6 +72,8 @@ class GGUFInfo:
     eos_id: int | None
     has_vocab: bool
     sampling: dict = field(default_factory=dict)   # general.sampling.temp / top_p, as given
+    embedding_bytes: int = 0  # token_embd.weight: a decoded token reads one row of it
+    tied_output: bool = False  # no output.weight: the embedding table is the output too
 
 
 @dataclass(frozen=True)
@@ -308,7 +310,9 @@ def _describe(path: Path, meta: dict[str, Any], tensors: list[_Tensor]) -> GGUFI
         bos_id=_optional_int(meta, "tokenizer.ggml.bos_token_id"),
         eos_id=_optional_int(meta, "tokenizer.ggml.eos_token_id"), has_vocab=has_vocab,
         sampling={k: meta[g] for k, g in (("temperature", "general.sampling.temp"),
-                                          ("top_p", "general.sampling.top_p")) if g in meta})
+                                          ("top_p", "general.sampling.top_p")) if g in meta},
+        embedding_bytes=sum(t.nbytes for t in tensors if t.name == "token_embd.weight"),
+        tied_output=not any(t.name == "output.weight" for t in tensors))
 
 
 def _int_key(path: Path, meta: dict[str, Any], key: str) -> int:

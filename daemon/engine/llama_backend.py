@@ -120,7 +120,7 @@ class LlamaGenerator:
         given: list[int] = []
         try:
             # own_kv False: a Batcher holds the KV caches; this context only tokenizes
-            with _contexts_give_back(given):
+            with _loading(given):
                 self.llm = Llama(model_path=str(info.path),
                                  n_ctx=self.context if own_kv else 64, n_batch=512,
                                  n_ubatch=UBATCH, n_threads=threads, n_threads_batch=threads,
@@ -128,6 +128,9 @@ class LlamaGenerator:
         except (ValueError, RuntimeError) as exc:
             raise ModelError(f"llama.cpp cannot load {info.path}: {exc}") from None
         self.given_back = sum(given)
+        # read row by row from the file (a build with tools/llama-patches/lazy-embeddings.patch)
+        self.embedding_in_file = info.embedding_bytes if not use_mmap and \
+            not info.tied_output and pages.maps_file(info.path) else 0
         self.threads = threads
         self.repacked = repacks(info.file_type, system_info())
         self.vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
@@ -320,24 +323,30 @@ def new_context(model: Any, params: Any, make: Callable[..., Any] | None = None
 
 
 @contextlib.contextmanager
-def _contexts_give_back(given: list[int]) -> Iterator[None]:
-    """While llama-cpp-python's ``Llama`` loads: its context goes through `new_context` (it is
-    made through ``llama_cpp.llama_cpp.llama_init_from_model``, after the model), the bytes
-    given back appended to ``given``."""
+def _loading(given: list[int]) -> Iterator[None]:
+    """While llama-cpp-python's ``Llama`` loads (it calls ``llama_cpp.llama_cpp``'s functions):
+    the model asks for lazily read tensors (``lazy_mode`` ON: with this project's llama.cpp
+    build, the embedding table stays in the file, read row by row; other builds ignore it), and
+    the context goes through `new_context`, the bytes given back appended to ``given``."""
     import llama_cpp.llama_cpp as bindings
 
-    make = bindings.llama_init_from_model
+    defaults, make = bindings.llama_model_default_params, bindings.llama_init_from_model
+
+    def params() -> Any:
+        out = defaults()
+        out.lazy_mode = bindings.LLAMA_LAZY_MODE_ON
+        return out
 
     def init(model: Any, params: Any) -> Any:
         ctx, size = new_context(model, params, make)
         given.append(size)
         return ctx
 
-    bindings.llama_init_from_model = init
+    bindings.llama_model_default_params, bindings.llama_init_from_model = params, init
     try:
         yield
     finally:
-        bindings.llama_init_from_model = make
+        bindings.llama_model_default_params, bindings.llama_init_from_model = defaults, make
 
 
 def effective_context(info: GGUFInfo, requested: int) -> int:

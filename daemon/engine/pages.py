@@ -61,6 +61,16 @@ def anon_ranges(maps: Path = Path("/proc/self/maps")) -> list[Range]:
     return out
 
 
+def maps_file(path: Path, maps: Path = Path("/proc/self/maps")) -> bool:
+    """Whether the process maps ``path`` (a file it reads through its page cache)."""
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError:
+        return False
+    name = str(Path(path).resolve())
+    return any(line.split(maxsplit=5)[5:] == [name] for line in lines)
+
+
 def new_ranges(before: list[Range], after: list[Range]) -> list[Range]:
     """The parts of ``after`` that ``before`` does not cover (what was mapped in between)."""
     out = []

@@ -248,6 +248,10 @@ def _load_llama(args: argparse.Namespace, channel: Channel, choice: Any) -> tupl
     parallel = max(1, args.parallel)
     generator = llama_backend.load(path, max(1, args.threads), args.context, args.mmap, parallel)
     _log_given_back(channel, generator.given_back, "the context")
+    if generator.embedding_in_file:
+        channel.send(ev="log", message=f"the embedding table "
+                                       f"({generator.embedding_in_file / 2**20:.0f} MiB) stays "
+                                       f"in the file, read a row a token")
     info = generator.info
     return generator, {
         "parallel": parallel,
@@ -256,7 +260,8 @@ def _load_llama(args: argparse.Namespace, channel: Channel, choice: Any) -> tupl
         "threads": generator.threads, "parameters": info.parameters,
         "context": generator.context, "backend": "llamacpp", "backend_reason": choice.reason,
         "gguf": str(path), "system_info": system_info,
-        "weights": "file mmap" if args.mmap else "anonymous memory"}
+        "weights": "file mmap" if args.mmap else "anonymous memory",
+        "embedding_in_file": generator.embedding_in_file}
 
 
 def _log_given_back(channel: Channel, size: int, what: str) -> None:
