@@ -60,12 +60,42 @@ def test_llama_cpp_is_installed_and_says_what_the_build_uses() -> None:
     assert "AVX" in info or "NEON" in info, info
 
 
-def test_the_installed_build_leaves_out_amx_whose_kernels_crash() -> None:
-    # llama.cpp #20824: on an amx_int8 CPU every prompt of 2+ tokens died of SIGSEGV
+def test_the_installed_build_is_the_projects_with_its_patches() -> None:
+    shipped = sorted(p.stem for p in (REPO / "tools" / "llama-patches").glob("*.patch"))
+    assert llama_backend.patches() == shipped
     info = llama_backend.system_info()
-    assert "AMX_INT8 = 1" not in info, info
-    assert llama_backend.amx_warning(info) is None
-    assert "#20824" in llama_backend.amx_warning(info.replace("AVX = 1", "AMX_INT8 = 1 | AVX = 1"))
+    if "amx_int8" in _cpu_flags().split():     # built for this CPU: its AMX kernels, fixed
+        assert "AMX_INT8 = 1" in info, info
+    assert llama_backend.amx_warning(info, llama_backend.patches()) is None
+    assert "patches: amx-tile-config" in llama_backend.build_info()
+    # another llama-cpp-python with AMX (llama.cpp #20824: SIGSEGV on the first prompt)
+    assert "#20824" in llama_backend.amx_warning("AMX_INT8 = 1 | AVX = 1", [])
+    assert llama_backend.amx_warning("AVX = 1", []) is None
+
+
+# torch's bf16 products take oneDNN's AMX kernels on such a CPU, which release the tiles after
+# them: llama.cpp's next product must configure them again (it died of SIGILL when it did not)
+AMX_SCRIPT = """
+import sys, llama_cpp, torch
+a = torch.randn(256, 256, dtype=torch.bfloat16)
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=256, verbose=False)
+for turn in (b"Why is the sky blue? Explain it step by step, please.", b" And sunsets, why red?"):
+    (a @ a).sum()
+    llm.eval(llm.tokenize(turn))
+print(llama_cpp.llama_print_system_info().decode())
+"""
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_prompt_of_many_tokens_runs_on_this_cpus_kernels(ggufs: dict[str, Path],
+                                                              dtype: str) -> None:
+    """On an AMX CPU a batch of 2+ tokens takes the AMX int8 kernels, which died of SIGSEGV
+    (and, after torch's AMX products, SIGILL) without amx-tile-config.patch; in a child, so
+    that a crash is this test's failure."""
+    out = subprocess.run([sys.executable, "-c", AMX_SCRIPT, str(ggufs[dtype])],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert "AVX" in out.stdout or "NEON" in out.stdout
 
 
 def _wheel_plan(tmp_path: Path, flags: str) -> tuple[str, str]:
@@ -81,18 +111,16 @@ def _wheel_plan(tmp_path: Path, flags: str) -> tuple[str, str]:
     return folder, args
 
 
-def test_the_wheel_names_its_extensions_without_amx_on_a_cpu_with_amx(tmp_path: Path) -> None:
+def test_each_kind_of_cpu_gets_its_own_native_wheel(tmp_path: Path) -> None:
     sapphire = ("fpu sse4_2 avx avx2 fma f16c bmi2 avx512f avx512cd avx512bw avx512vl avx512dq "
                 "avx512vbmi avx512_vnni avx512_bf16 avx_vnni amx_tile amx_int8 amx_bf16")
     folder, args = _wheel_plan(tmp_path, sapphire)
-    assert "-DGGML_NATIVE=OFF" in args.split()     # -march=native would turn AMX back on
-    for option in ("AVX512", "AVX512_VNNI", "AVX512_BF16", "AVX512_VBMI", "AVX2", "FMA"):
-        assert f"-DGGML_{option}=ON" in args.split(), option
-    assert "-DGGML_AMX_INT8=OFF" in args.split()
-    assert "+no-amx-p" in folder and "amx_int8" not in folder   # not an old AMX build
+    # -march=native: AMX too, its kernels fixed by amx-tile-config.patch
+    assert args.split() == ["-DGGML_NATIVE=ON"]
+    assert "amx_int8" in folder and "no-amx" not in folder      # not the older build without
     zen4 = sapphire.replace(" amx_tile amx_int8 amx_bf16", "")
-    folder, args = _wheel_plan(tmp_path, zen4)
-    assert args.split() == ["-DGGML_NATIVE=ON"] and "amx" not in folder
+    other, args = _wheel_plan(tmp_path, zen4)
+    assert args.split() == ["-DGGML_NATIVE=ON"] and "amx" not in other and other != folder
 
 
 def test_a_changed_llama_patch_gets_a_wheel_of_its_own(tmp_path: Path) -> None:

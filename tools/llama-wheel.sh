@@ -10,20 +10,18 @@
 # multimodal library and other work on the machine). The multimodal library (LLAVA_BUILD) is left
 # out: R1 reads text only.
 #
-# AMX is left out of every build. llama.cpp's AMX int8 kernels (ggml_backend_amx_mul_mat, used
-# for Q4_0/Q8_0/K-quant weights when the CPU has amx_int8) crash with SIGSEGV on the first batch
-# of two or more tokens — any prompt — on Sapphire Rapids-class machines (llama.cpp #20824,
-# closed unfixed; seen on this project's VMs with the tiny and the 1.5B model, stock llama.cpp
-# as well as dsr1d). -march=native would turn AMX on, so on such a CPU the build names each
-# extension it uses itself (GGML_NATIVE=OFF), AMX not among them; the weights are then repacked
-# for AVX-512 as on every other x86 CPU.
-#
 # The source is patched before the build with tools/llama-patches/*.patch (each says what it
 # does; the cache folder carries a hash of them, so a changed patch builds again):
+# - amx-tile-config.patch: llama.cpp's AMX int8 kernels (Q4_0/Q8_0/K-quant weights on CPUs with
+#   amx_int8, Sapphire Rapids and later) crashed with SIGSEGV on the first batch of two or more
+#   tokens (llama.cpp #20824): GCC 12 at -O3 drops the tile configuration's stores before
+#   ldtilecfg, which then faults on the garbage. A compiler barrier keeps them; with it AMX
+#   prefills 2-3x and decodes ~1.4x faster than the AVX-512 build on such a CPU.
+# - build-marker.patch: llama_dsr1d_patches() names the patches, so dsr1d tells its own build.
 # - lazy-embeddings.patch: the R1 distills' embedding table (qwen2, llama) stays in the file and
 #   is read row by row when the caller sets lazy_mode ON, as dsr1d's worker does; a decoded token
-#   reads one row of it, so loading all of it (237 MiB for the 1.5B in Q8_0, 0.5 GiB for the 8B) only
-#   cost memory. Callers that keep llama.cpp's default (AUTO) load it as before.
+#   reads one row of it, so loading all of it (237 MiB for the 1.5B in Q8_0, 0.5 GiB for the
+#   8B) only cost memory. Callers that keep llama.cpp's default (AUTO) load it as before.
 #
 # Usage: tools/llama-wheel.sh PYTHON
 # (DSR1D_CPUINFO: another /proc/cpuinfo to read; DSR1D_WHEEL_DRY_RUN=1: print the folder and the
@@ -35,22 +33,7 @@ CACHE=${DSR1D_WHEEL_CACHE:-/var/cache/dsr1d-build}
 cpu_flags=$(grep -m1 '^flags' "${DSR1D_CPUINFO:-/proc/cpuinfo}" | tr ' ' '\n')
 flags=$(grep -xE 'avx|avx2|fma|f16c|avx_vnni|avx512f|avx512bw|avx512vl|avx512dq|avx512_vnni|avx512_bf16|avx512vbmi|amx_tile|amx_int8|amx_bf16' \
     <<<"$cpu_flags" | sort | paste -sd+ - || true)
-has() { grep -qx "$1" <<<"$cpu_flags"; }
-on() { if has "$1"; then echo ON; else echo OFF; fi; }
-if has amx_int8; then
-    # the extensions ggml has options for, each as the CPU has it; AMX off
-    avx512=OFF
-    if has avx512f && has avx512bw && has avx512vl && has avx512dq && has avx512cd; then avx512=ON; fi
-    arch="-DGGML_NATIVE=OFF -DGGML_SSE42=$(on sse4_2) -DGGML_AVX=$(on avx) -DGGML_AVX2=$(on avx2)"
-    arch+=" -DGGML_BMI2=$(on bmi2) -DGGML_FMA=$(on fma) -DGGML_F16C=$(on f16c)"
-    arch+=" -DGGML_AVX_VNNI=$(on avx_vnni) -DGGML_AVX512=$avx512"
-    arch+=" -DGGML_AVX512_VBMI=$(on avx512vbmi) -DGGML_AVX512_VNNI=$(on avx512_vnni)"
-    arch+=" -DGGML_AVX512_BF16=$(on avx512_bf16)"
-    arch+=" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
-    flags="$(tr '+' '\n' <<<"$flags" | grep -v '^amx' | paste -sd+ -)+no-amx"
-else
-    arch="-DGGML_NATIVE=ON"
-fi
+arch="-DGGML_NATIVE=ON"
 pytag=$("$PYTHON" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 patches=("$(dirname "$0")"/llama-patches/*.patch)
 patched=$(cat "${patches[@]}" | sha256sum | cut -c1-8)

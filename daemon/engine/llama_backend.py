@@ -66,23 +66,40 @@ def repacks(file_type: str, info: str) -> bool:
         any(file_type.startswith(t) for t in REPACKED_TYPES)
 
 
-def amx_warning(info: str) -> str | None:
-    """What to say about a build whose ``system_info`` shows AMX: its int8 kernels crash on
-    the first prompt of two or more tokens on Sapphire Rapids-class CPUs (llama.cpp #20824)."""
-    if "AMX_INT8 = 1" not in info:
+def patches() -> list[str]:
+    """The tools/llama-patches/ this llama.cpp build carries ([]: not the project's build)."""
+    import llama_cpp.llama_cpp as bindings
+
+    try:
+        marker = bindings._lib.llama_dsr1d_patches
+    except AttributeError:
+        return []
+    marker.restype = ctypes.c_char_p
+    return marker().decode().split()
+
+
+def amx_warning(info: str, applied: list[str]) -> str | None:
+    """What to say about a build whose ``system_info`` shows AMX without the project's fix
+    (``applied``: its `patches`): its int8 kernels crash on the first prompt of two or more
+    tokens when GCC 12 built it at -O3, as pip does (llama.cpp #20824)."""
+    if "AMX_INT8 = 1" not in info or "amx-tile-config" in applied:
         return None
-    return ("warning: this llama.cpp build uses AMX, whose int8 kernels crash (SIGSEGV) on the "
-            "first prompt on some CPUs (llama.cpp #20824); tools/llama-wheel.sh builds it without")
+    return ("warning: this llama.cpp build uses AMX without dsr1d's fix; its int8 kernels crash "
+            "(SIGSEGV) on the first prompt when GCC 12 built them (llama.cpp #20824): "
+            "make setup builds it with the fix (tools/llama-patches/)")
 
 
 def build_info() -> str:
-    """The binding's version and what its build uses here, or why it does not load."""
+    """The binding's version, what its build uses here and its patches, or why it does not
+    load."""
     try:
         import llama_cpp
 
-        info = system_info()
-        warning = amx_warning(info)
-        return f"llama.cpp {llama_cpp.__version__}: {info}" + (f"\n{warning}" if warning else "")
+        info, applied = system_info(), patches()
+        warning = amx_warning(info, applied)
+        return f"llama.cpp {llama_cpp.__version__}: {info}\npatches: " + \
+            (", ".join(applied) or "none (not built by tools/llama-wheel.sh)") + \
+            (f"\n{warning}" if warning else "")
     except (ImportError, OSError) as exc:  # a wheel built for another CPU, a missing library
         return f"llama-cpp-python is installed but does not load: {exc}"
 

@@ -240,8 +240,10 @@ def _load_llama(args: argparse.Namespace, channel: Channel, choice: Any) -> tupl
         dtype_reason = f"the GGUF file's precision (engine_dtype {args.dtype} applies to " \
                        f"Hugging Face directories only)"
     system_info = llama_backend.system_info()
-    channel.send(ev="log", message=f"llama.cpp: {system_info}")
-    if (warning := llama_backend.amx_warning(system_info)) is not None:
+    applied = llama_backend.patches()
+    channel.send(ev="log", message=f"llama.cpp: {system_info}; patches: "
+                                   f"{', '.join(applied) or 'none'}")
+    if (warning := llama_backend.amx_warning(system_info, applied)) is not None:
         channel.send(ev="log", message=warning)
     from dsr1d.engine.request import model_sampling
 
