@@ -170,9 +170,9 @@ else:
                           verbose=False)
     llm.eval(ids)
     logits, out = np.array(llm.scores[: len(ids)]), {}
-name = str(path.resolve())
-mapped = any(line.split(maxsplit=5)[5:] == [name] for line in open("/proc/self/maps").read().splitlines())
-out.update(maps_file=mapped, top1=logits.argmax(1).tolist(), total=float(np.abs(logits).sum()))
+from dsr1d.engine import pages
+out.update(maps_file=pages.maps_file(path), top1=logits.argmax(1).tolist(),
+           total=float(np.abs(logits).sum()))
 print(json.dumps(out))
 """
 

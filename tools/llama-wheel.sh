@@ -15,8 +15,9 @@
 # - amx-tile-config.patch: llama.cpp's AMX int8 kernels (Q4_0/Q8_0/K-quant weights on CPUs with
 #   amx_int8, Sapphire Rapids and later) crashed with SIGSEGV on the first batch of two or more
 #   tokens (llama.cpp #20824): GCC 12 at -O3 drops the tile configuration's stores before
-#   ldtilecfg, which then faults on the garbage. A compiler barrier keeps them; with it AMX
-#   prefills 2-3x and decodes ~1.4x faster than the AVX-512 build on such a CPU.
+#   ldtilecfg, which then faults on the garbage. A compiler barrier keeps them, and the
+#   configuration is loaded for every product (torch's oneDNN releases the tiles in the same
+#   process: SIGILL otherwise). AMX then prefills 2-3x and decodes ~1.4x faster on such a CPU.
 # - build-marker.patch: llama_dsr1d_patches() names the patches, so dsr1d tells its own build.
 # - lazy-embeddings.patch: the R1 distills' embedding table (qwen2, llama) stays in the file and
 #   is read row by row when the caller sets lazy_mode ON, as dsr1d's worker does; a decoded token
