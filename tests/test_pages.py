@@ -88,6 +88,7 @@ def test_anonymous_ranges_come_from_proc_maps(tmp_path: Path) -> None:
         "7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0          [stack]\n")
     assert pages.anon_ranges(maps) == [(0x55D0A0000000, 0x55D0A0021000),
                                        (0x7F0000000000, 0x7F0000400000)]
+    assert pages.anon_ranges(maps, heap=False) == [(0x7F0000000000, 0x7F0000400000)]
     assert pages.anon_ranges(tmp_path / "missing") == []
 
 

@@ -331,10 +331,11 @@ def new_context(model: Any, params: Any, make: Callable[..., Any] | None = None
                 ) -> tuple[Any, int]:
     """``llama_init_from_model``, then the KV cache it zero-filled given back (`pages`): the
     context (None where llama.cpp could not make it) and the bytes given back. Only what was
-    mapped while the context was made is looked at, never the weights loaded before."""
+    mapped while the context was made (and the heap) is looked at, never the weights loaded
+    before."""
     import llama_cpp.llama_cpp as bindings
 
-    mapped = pages.anon_ranges()
+    mapped = pages.anon_ranges(heap=False)   # the heap whole: a small cache may reuse its holes
     ctx = (make or bindings.llama_init_from_model)(model, params)
     return ctx, pages.give_back_zero_pages(since=mapped) if ctx else 0
 

@@ -8,7 +8,9 @@ only zeros reads the same after ``madvise(MADV_DONTNEED)``, so the pages that ca
 context and still hold nothing but zeros are given back; they return one 4 KiB page at a time
 as the cache fills (``MADV_NOHUGEPAGE`` keeps khugepaged from filling them in again).
 
-Only ranges mapped while the context was made are looked at. libc is called with the GIL held
+Only ranges mapped while the context was made, and the heap, are looked at: weights loaded before
+(large buffers, mappings of their own) that happen to hold zeros stay resident, and a small
+context's cache, which malloc may put in a hole of the heap, is still found. libc is called with the GIL held
 (``PyDLL``), so no Python thread writes in between the check and the ``madvise``; llama.cpp's
 own threads are idle outside ``llama_decode``. The peak at load stays (the clear happens inside
 llama.cpp); what the worker holds while it serves drops. Linux only; elsewhere nothing is done.
@@ -44,8 +46,9 @@ def _libc() -> ctypes.PyDLL | None:
 _LIBC = _libc()
 
 
-def anon_ranges(maps: Path = Path("/proc/self/maps")) -> list[Range]:
-    """The process's private, writable anonymous mappings (and its heap); [] where unreadable."""
+def anon_ranges(maps: Path = Path("/proc/self/maps"), heap: bool = True) -> list[Range]:
+    """The process's private, writable anonymous mappings (and its heap, unless ``heap`` is
+    False); [] where unreadable."""
     out = []
     try:
         lines = maps.read_text().splitlines()
@@ -55,7 +58,7 @@ def anon_ranges(maps: Path = Path("/proc/self/maps")) -> list[Range]:
         fields = line.split()
         if len(fields) < 5 or not fields[1].startswith("rw") or fields[1][3] != "p":
             continue
-        if len(fields) == 5 or fields[5] == "[heap]":
+        if len(fields) == 5 or (heap and fields[5] == "[heap]"):
             start, end = (int(x, 16) for x in fields[0].split("-"))
             out.append((start, end))
     return out
@@ -151,5 +154,5 @@ def _is_zero(addr: int, size: int) -> bool:
 
 def give_back_zero_pages(since: list[Range]) -> int:
     """Give back the all-zero pages mapped after ``since`` (an `anon_ranges` taken before the
-    context was made); returns the bytes given back."""
+    context was made, without the heap); returns the bytes given back."""
     return release_zero_pages(new_ranges(since, anon_ranges()))
