@@ -8,6 +8,7 @@ these tests fail rather than skip.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -96,6 +97,63 @@ def test_a_prompt_of_many_tokens_runs_on_this_cpus_kernels(ggufs: dict[str, Path
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
     assert "AVX" in out.stdout or "NEON" in out.stdout
+
+
+# Each sequence's next-token logits, decoded in one step with others and alone (its KV cache
+# trimmed back in between); the same four prompts' caches for every batch size
+ROWS_SCRIPT = """
+import json, sys
+import numpy as np
+import llama_cpp.llama_cpp as L
+L.llama_backend_init()
+model = L.llama_model_load_from_file(sys.argv[1].encode(), L.llama_model_default_params())
+n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+params = L.llama_context_default_params()
+params.n_ctx, params.n_batch, params.n_seq_max, params.n_threads = 1024, 64, 8, 2
+ctx = L.llama_init_from_model(model, params)
+memory, batch = L.llama_get_memory(ctx), L.llama_batch_init(64, 0, 8)
+def decode(tokens):
+    batch.n_tokens = len(tokens)
+    for i, (token, pos, seq) in enumerate(tokens):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, 1
+        batch.seq_id[i][0] = seq
+    assert L.llama_decode(ctx, batch) == 0
+    return [np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).copy()
+            for i in range(len(tokens))]
+for seq in range(8):
+    decode([(100 + 7 * seq + i, i, seq) for i in range(12)])
+alone = []
+for seq in range(8):
+    alone.append(decode([(300 + seq, 12, seq)])[0])
+    L.llama_memory_seq_rm(memory, seq, 12, -1)
+out = {}
+for rows in (2, 3, 4, 8):
+    together = decode([(300 + seq, 12, seq) for seq in range(rows)])
+    for seq in range(rows):
+        L.llama_memory_seq_rm(memory, seq, 12, -1)
+    out[rows] = [[float(np.abs(t - a).max()), float(np.ptp(a)), int(t.argmax() == a.argmax())]
+                 for t, a in zip(together, alone)]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_sequence_gets_the_same_logits_alone_or_in_a_batch(ggufs: dict[str, Path],
+                                                             dtype: str) -> None:
+    """Decoding sequences together changes nothing in any one of them. On an AMX CPU every row
+    goes through the same integer sums and float steps in the same order whatever the batch
+    (amx-vnni-rows.patch for Q4_0 batches of 2-8), so the bits are equal; llama.cpp's repacked
+    AVX2/AVX-512 kernels order a batch's float sums differently from one row's, so elsewhere
+    they agree to within float rounding."""
+    out = subprocess.run([sys.executable, "-c", ROWS_SCRIPT, str(ggufs[dtype])],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    amx = "amx_int8" in _cpu_flags().split()
+    for rows, seqs in json.loads(out.stdout.splitlines()[-1]).items():
+        assert len(seqs) == int(rows)
+        for diff, spread, same_top in seqs:
+            assert same_top and spread > 0, (rows, seqs)
+            assert diff == 0.0 if amx else diff <= 1e-3 * spread, (rows, seqs)
 
 
 def _wheel_plan(tmp_path: Path, flags: str) -> tuple[str, str]:
