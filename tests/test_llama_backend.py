@@ -455,6 +455,8 @@ def test_rows_are_grouped_where_llama_cpp_repacks_the_weights() -> None:
     assert not llama_backend.repacks("int4", avx2.replace("REPACK = 1", "REPACK = 0"))
     assert not llama_backend.repacks("int4", "CPU : SSE3 = 1 | REPACK = 1 |")   # no AVX2
     assert llama_backend.repacks("int4", "CPU : NEON = 1 | ARM_FMA = 1 | REPACK = 1 |")
+    # AMX takes these weights before the repacked kernels, and runs each row count as it comes
+    assert not llama_backend.repacks("int4", avx2.replace("AVX512 = 1", "AVX512 = 1 | AMX_INT8 = 1"))
 
 
 def test_rows_padded_to_a_group_of_four_change_no_text_and_no_cache(
