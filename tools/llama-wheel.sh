@@ -18,7 +18,7 @@
 #   ldtilecfg, which then faults on the garbage. A compiler barrier keeps them, and the
 #   configuration is loaded for every product (torch's oneDNN releases the tiles in the same
 #   process: SIGILL otherwise). AMX then prefills 2-3x and decodes ~1.4x faster on such a CPU.
-# - amx-vnni-rows.patch: on an AMX CPU a Q4_0 product of 2-8 rows (a decoding batch) goes
+# - amx-vnni-rows.patch: on an AMX CPU a Q4_0 or Q8_0 product of 2-8 rows (a decoding batch) goes
 #   through the VNNI kernel, four rows at a time, instead of 16-row AMX tiles (a 4-row step of
 #   the 1.5B 69 -> 45 ms), and IQ4_NL (the int4 files' output matrix) gets AMX buffers and this
 #   kernel instead of AVX2 kernels (11.8 -> 4.3 ms a token); same logits, alone or in a batch.
