@@ -97,7 +97,8 @@ def test_probe_intel(fake: FakeRoot) -> None:
 def test_probe_says_what_the_llama_cpp_build_uses_and_where_threads_go(fake: FakeRoot) -> None:
     lines = dsr1d(fake, "probe", check=True).stdout.split("\n\n")[1].splitlines()
     assert lines[0].startswith("engine: llama.cpp 0.3.") and "AVX" in lines[0], lines
-    assert lines[1] == "patches: amx-tile-config, amx-vnni-rows, build-marker, lazy-embeddings", lines
+    assert lines[1] == ("patches: amx-tile-config, amx-vnni-rows, build-marker, "
+                        "lazy-embeddings"), lines
     # the fake box: 4 CPUs without SMT lists, all within this process's affinity or not
     assert lines[2].startswith("placement: "), lines
 

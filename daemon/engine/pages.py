@@ -8,12 +8,13 @@ only zeros reads the same after ``madvise(MADV_DONTNEED)``, so the pages that ca
 context and still hold nothing but zeros are given back; they return one 4 KiB page at a time
 as the cache fills (``MADV_NOHUGEPAGE`` keeps khugepaged from filling them in again).
 
-Only ranges mapped while the context was made, and the heap, are looked at: weights loaded before
-(large buffers, mappings of their own) that happen to hold zeros stay resident, and a small
-context's cache, which malloc may put in a hole of the heap, is still found. libc is called with the GIL held
-(``PyDLL``), so no Python thread writes in between the check and the ``madvise``; llama.cpp's
-own threads are idle outside ``llama_decode``. The peak at load stays (the clear happens inside
-llama.cpp); what the worker holds while it serves drops. Linux only; elsewhere nothing is done.
+Only ranges mapped while the context was made, and the heap, are looked at: weights loaded
+before (large buffers, mappings of their own) that happen to hold zeros stay resident, and a
+small context's cache, which malloc may put in a hole of the heap, is still found. libc is
+called with the GIL held (``PyDLL``), so no Python thread writes in between the check and the
+``madvise``; llama.cpp's own threads are idle outside ``llama_decode``. The peak at load stays
+(the clear happens inside llama.cpp); what the worker holds while it serves drops. Linux only;
+elsewhere nothing is done.
 """
 
 from __future__ import annotations
