@@ -252,9 +252,12 @@ def test_tied_embeddings_serve_as_the_output(qwen_dir: Path, tmp_path: Path) -> 
     out = convert(src, tmp_path / "tied.gguf", "int4")
     types = _types(out)
     assert "output.weight" not in types and types["token_embd.weight"] == QT.Q8_0
-    llm = _llama_cpp().Llama(model_path=str(out), n_ctx=32, n_threads=2, verbose=False)
+    # logits_all: without it llama-cpp-python fills no row of .scores (it samples in llama.cpp)
+    llm = _llama_cpp().Llama(model_path=str(out), n_ctx=32, n_threads=2, verbose=False,
+                             logits_all=True)
     llm.eval([5, 6, 7])
-    assert np.isfinite(np.array(llm.scores[:3])).all()
+    scores = np.array(llm.scores[:3])
+    assert np.isfinite(scores).all() and (np.ptp(scores, axis=1) > 0).all()
 
 
 def test_rows_that_do_not_fill_quant_blocks_stay_bf16() -> None:

@@ -457,6 +457,11 @@ def test_rows_are_grouped_where_llama_cpp_repacks_the_weights() -> None:
     assert llama_backend.repacks("int4", "CPU : NEON = 1 | ARM_FMA = 1 | REPACK = 1 |")
     # AMX takes these weights before the repacked kernels, and runs each row count as it comes
     assert not llama_backend.repacks("int4", avx2.replace("AVX512 = 1", "AVX512 = 1 | AMX_INT8 = 1"))
+    # so do amx-vnni-rows.patch's VNNI kernels without AMX, for Q4_0 and IQ4_NL only
+    zen4 = avx2.replace("AVX512 = 1", "AVX512 = 1 | AVX512_VNNI = 1")
+    assert not llama_backend.repacks("int4", zen4, ["amx-vnni-rows"])
+    assert llama_backend.repacks("int4", zen4, []) and llama_backend.repacks("Q4_K_M", zen4,
+                                                                             ["amx-vnni-rows"])
 
 
 def test_rows_padded_to_a_group_of_four_change_no_text_and_no_cache(

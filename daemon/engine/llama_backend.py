@@ -60,13 +60,20 @@ def system_info() -> str:
     return llama_cpp.llama_print_system_info().decode(errors="replace").strip()
 
 
-def repacks(file_type: str, info: str) -> bool:
-    """Whether llama.cpp (its ``system_info``) repacks the weights of a ``file_type`` file.
-    Not where it has AMX: its AMX buffers take these types first, and their kernels do not
-    work in groups of rows (with amx-vnni-rows.patch a step of 1-8 rows costs more with
-    every row: 29.7, 33.8, 35.8, 38.7, 49.7, 55.0 ms for 1-6 rows of the 1.5B in Q4_0)."""
+def repacks(file_type: str, info: str, applied: list[str] | None = None) -> bool:
+    """Whether llama.cpp (its ``system_info``) repacks the weights of a ``file_type`` file
+    (``applied``: the build's `patches`). Not where it has AMX: its AMX buffers take these types
+    first, and their kernels do not work in groups of rows (with amx-vnni-rows.patch a step of
+    1-8 rows costs more with every row: 29.7, 33.8, 35.8, 38.7, 49.7, 55.0 ms for 1-6 rows of
+    the 1.5B in Q4_0). Nor, with that patch, Q4_0 and IQ4_NL on AVX-512 VNNI without AMX: the
+    same VNNI kernels take them."""
+    if "AMX_INT8 = 1" in info:
+        return False
+    if "amx-vnni-rows" in (applied or []) and "AVX512_VNNI = 1" in info and \
+            file_type.startswith(("int4", "IQ4_NL")):
+        return False
     return "REPACK = 1" in info and ("AVX2 = 1" in info or "NEON = 1" in info) and \
-        "AMX_INT8 = 1" not in info and any(file_type.startswith(t) for t in REPACKED_TYPES)
+        any(file_type.startswith(t) for t in REPACKED_TYPES)
 
 
 def patches() -> list[str]:
@@ -152,7 +159,7 @@ class LlamaGenerator:
         self.embedding_in_file = info.embedding_bytes if not use_mmap and \
             not info.tied_output and pages.maps_file(info.path) else 0
         self.threads = threads
-        self.repacked = repacks(info.file_type, system_info())
+        self.repacked = repacks(info.file_type, system_info(), patches())
         self.vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self._pieces: dict[tuple[int, bool], bytes] = {}

@@ -17,9 +17,9 @@ first token is drawn from them with its own sampler. Text, ``<think>`` split, sa
 stats are those of `LlamaGenerator.generate`, which serves one request at a time when
 ``parallel`` is 1.
 
-Rows come in fours where llama.cpp repacks the weights (Q4_0, IQ4_NL, Q4_K on AVX2 / NEON, not
-where AMX takes them: `llama_backend.repacks`): its
-repacked kernels multiply four rows at once and each row left over on its own, one more pass
+Rows come in fours where llama.cpp repacks the weights (Q4_0, IQ4_NL, Q4_K on AVX2 / NEON; not
+where AMX or the project's VNNI kernels take them: `llama_backend.repacks`): its repacked
+kernels multiply four rows at once and each row left over on its own, one more pass
 over the weights each. On the 1.5B model in Q4_0 on 2 cores a step of 1, 2, 3, 4, 5, 6, 8 rows
 took 25-31, 49, 66, 40, 61, 82, 82 ms. So a step of 4k + 2 or 4k + 3 rows is padded up to a
 multiple of four with one throw-away token in each of as many free slots, at the end of what
