@@ -100,7 +100,7 @@ def test_a_prompt_of_many_tokens_runs_on_this_cpus_kernels(ggufs: dict[str, Path
 
 
 # Each sequence's next-token logits, decoded in one step with others and alone (its KV cache
-# trimmed back in between); the same four prompts' caches for every batch size
+# trimmed back in between); the same eight prompts' caches for every batch size
 ROWS_SCRIPT = """
 import json, sys
 import numpy as np
@@ -142,9 +142,9 @@ def test_a_sequence_gets_the_same_logits_alone_or_in_a_batch(ggufs: dict[str, Pa
                                                              dtype: str) -> None:
     """Decoding sequences together changes nothing in any one of them. On an AMX CPU every row
     goes through the same integer sums and float steps in the same order whatever the batch
-    (amx-vnni-rows.patch for Q4_0 batches of 2-8), so the bits are equal; llama.cpp's repacked
-    AVX2/AVX-512 kernels order a batch's float sums differently from one row's, so elsewhere
-    they agree to within float rounding."""
+    (amx-vnni-rows.patch for Q4_0, Q8_0 and IQ4_NL batches of 2-8), so the bits are equal;
+    llama.cpp's repacked AVX2/AVX-512 kernels order a batch's float sums differently from one
+    row's, so elsewhere they agree to within float rounding."""
     out = subprocess.run([sys.executable, "-c", ROWS_SCRIPT, str(ggufs[dtype])],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
@@ -456,7 +456,8 @@ def test_rows_are_grouped_where_llama_cpp_repacks_the_weights() -> None:
     assert not llama_backend.repacks("int4", "CPU : SSE3 = 1 | REPACK = 1 |")   # no AVX2
     assert llama_backend.repacks("int4", "CPU : NEON = 1 | ARM_FMA = 1 | REPACK = 1 |")
     # AMX takes these weights before the repacked kernels, and runs each row count as it comes
-    assert not llama_backend.repacks("int4", avx2.replace("AVX512 = 1", "AVX512 = 1 | AMX_INT8 = 1"))
+    amx = avx2.replace("AVX512 = 1", "AVX512 = 1 | AMX_INT8 = 1")
+    assert not llama_backend.repacks("int4", amx)
     # so do amx-vnni-rows.patch's VNNI kernels without AMX, for Q4_0 and IQ4_NL only
     zen4 = avx2.replace("AVX512 = 1", "AVX512 = 1 | AVX512_VNNI = 1")
     assert not llama_backend.repacks("int4", zen4, ["amx-vnni-rows"])
