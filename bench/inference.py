@@ -7,6 +7,11 @@ running the model:
 - ``stock-<p>``: stock llama.cpp as a user runs it — llama-cpp-python's ``Llama`` with its
   defaults (the file memory-mapped, no pinning, ``n_ctx`` 512 or what prompt + tokens need) and
   ``n_threads`` = physical cores; greedy ``Llama.generate(ids, temp=0)`` on the prompt's ids.
+  Its llama.cpp is the release (``--stock released``, the default): the same llama-cpp-python
+  version built for this CPU by tools/llama-wheel.sh without dsr1d's patches, except
+  amx-tile-config on an AMX CPU (the release crashes there on its first prompt); built once
+  (minutes) and installed into a folder of its own next to its wheel. ``--stock patched`` runs
+  the stock rows on dsr1d's own build instead (what llama.cpp's defaults give with its kernels).
 - ``served-<p>``: dsr1d's llama.cpp backend as the daemon serves it — an ``EngineHost`` and its
   worker process (weights read into anonymous memory with ``glibc.malloc.hugetlb=1`` so they get
   transparent huge pages, one thread pinned per physical core, the daemon's default context).
@@ -37,7 +42,7 @@ slower, peak RSS ≤ 1.1× the weights). It never fails: it reports.
 
     .venv/bin/python bench/inference.py [--preset 1.5b|7b] [--model DIR] [--tokens 32]
         [--runs 3] [--prompt 128] [--precisions bf16,q8_0,q4_0] [--rows stock-bf16,served-bf16,…]
-        [--context N] [--profile]
+        [--context N] [--stock released|patched] [--profile]
 
 The model is synthesised on first use (``dsr1d model synth --preset 1.5b``, 3.6 GB; 7b: 15 GB)
 into ``--model`` (default /var/tmp/dsr1d-bench/r1-distill-qwen-<preset>). The 7B preset runs the
@@ -173,6 +178,7 @@ class StockRunner:
     def __init__(self, spec: dict[str, Any], row: Row) -> None:
         from llama_cpp import Llama
 
+        self.spec = spec
         start = time.perf_counter()
         self.llm = Llama(model_path=spec["ggufs"][row.precision], n_threads=spec["threads"],
                          n_ctx=spec["stock_context"], verbose=False)
@@ -189,9 +195,18 @@ class StockRunner:
         return timing(len(ids), start, times)
 
     def finish(self) -> dict[str, Any]:
+        from dsr1d.engine.llama_backend import patches
+
         return {"peak_rss_bytes": peak_rss(), "load_s": self.load_s, "context": self.llm.n_ctx(),
                 "threads": self.llm.n_threads, "threads_batch": self.llm.n_threads_batch,
-                "weights": "file mmap"}
+                "weights": "file mmap", "build": self.build(patches())}
+
+    def build(self, marked: list[str]) -> str:
+        if "stock_site" in self.spec:
+            fixes = self.spec["stock_patches"]
+            return "the release" + (f" + {', '.join(fixes)} (it crashes here without)" if fixes
+                                    else "")
+        return "dsr1d's build (" + ", ".join(marked) + ")"
 
 
 def proc_fields(path: str, keys: tuple[str, ...]) -> dict[str, int]:
@@ -335,6 +350,8 @@ def reply(result: dict[str, Any]) -> None:
 def child(row: Row, spec: dict[str, Any]) -> None:
     """Load, answer ``ready``; then ``warmup`` / ``run N`` / ``quit`` lines from stdin (the
     warm-up takes prompt 0, run N prompt N + 1)."""
+    if row.kind == "stock" and spec.get("stock_site"):
+        sys.path.insert(0, spec["stock_site"])  # before anything imports llama_cpp
     runner = RUNNERS[row.kind](spec, row)
     reply({"ready": True})
     for line in sys.stdin:
@@ -589,6 +606,33 @@ def llama_line() -> str:
         return f"llama.cpp: not importable ({exc})"
 
 
+def stock_patches() -> list[str]:
+    """What the release needs to run on this CPU: amx-tile-config on an AMX CPU (without it
+    llama.cpp dies on its first prompt of two or more tokens here), else nothing."""
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), "").split()
+    return ["amx-tile-config"] if "amx_int8" in flags else []
+
+
+def stock_site(patches: list[str]) -> Path:
+    """llama-cpp-python as released, built for this CPU by tools/llama-wheel.sh with only
+    ``patches``, installed once into ``site`` next to its wheel; the build says on stderr when
+    it takes minutes."""
+    env = {**os.environ, "DSR1D_LLAMA_PATCHES": " ".join(patches)}
+    script = Path(__file__).resolve().parent.parent / "tools" / "llama-wheel.sh"
+    folder = Path(subprocess.run([str(script), sys.executable], env=env, check=True,
+                                 stdout=subprocess.PIPE, text=True).stdout.split()[-1])
+    site = folder / "site"
+    if not site.is_dir():
+        wheel = next(folder.glob("llama_cpp_python-*.whl"))
+        partial = folder / ".site.partial"
+        subprocess.run(["rm", "-rf", str(partial)], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                        str(partial), str(wheel)], check=True)
+        partial.rename(site)
+    return site
+
+
 def stock_context(prompt: int, tokens: int) -> int:
     """llama-cpp-python's default n_ctx, or the next multiple of 256 that holds the run."""
     need = prompt + tokens + WARMUP_TOKENS
@@ -676,7 +720,8 @@ def print_notes(results: dict[str, dict[str, Any]]) -> None:
     for name, r in results.items():
         if "context" in r:
             print(f"{name}: context {r['context']}, {r['threads']} threads, weights "
-                  f"{r['weights']}" + (f", CPUs {r['worker_cpus']}" if "worker_cpus" in r else ""))
+                  f"{r['weights']}" + (f", CPUs {r['worker_cpus']}" if "worker_cpus" in r else "")
+                  + (f", llama.cpp: {r['build']}" if "build" in r else ""))
     for r in results.values():
         if "profile" in r:
             print(f"\nwhere {r['label']} decode time goes:\n{r.pop('profile')}")
@@ -700,6 +745,9 @@ def parse_args() -> argparse.Namespace:
                                        "the torch rows and the baseline; 7b: llama.cpp only)")
     parser.add_argument("--context", type=int, default=0,
                         help="llama.cpp context of the stock and served rows (0: as shipped)")
+    parser.add_argument("--stock", choices=("released", "patched"), default="released",
+                        help="the stock rows' llama.cpp: the release built for this CPU (with "
+                             "only the AMX crash fix), or dsr1d's own build")
     parser.add_argument("--profile", action="store_true", help="torch rows: where decode goes")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
@@ -730,6 +778,9 @@ def prepare(args: argparse.Namespace, rows: list[Row]) -> tuple[dict[str, Any], 
             "threads": args.threads, "tokens": args.tokens, "prompts": prompts,
             "context": args.context, "profile": args.profile,
             "stock_context": args.context or stock_context(longest, args.tokens)}
+    if args.stock == "released" and any(r.kind == "stock" for r in rows):
+        spec["stock_patches"] = stock_patches()
+        spec["stock_site"] = str(stock_site(spec["stock_patches"]))
     machine = Machine(memory_bandwidth(args.threads), config, ggufs)
     return spec, machine
 

@@ -80,19 +80,21 @@ AMX_SCRIPT = """
 import sys, llama_cpp, torch
 a = torch.randn(256, 256, dtype=torch.bfloat16)
 llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=256, verbose=False)
-for turn in (b"Why is the sky blue? Explain it step by step, please.", b" And sunsets, why red?"):
+for turn in (b"Why is the sky blue? Explain it step by step, please, and then say why it is not violet.",
+             b" And sunsets, why red?"):
     (a @ a).sum()
     llm.eval(llm.tokenize(turn))
 print(llama_cpp.llama_print_system_info().decode())
 """
 
 
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
 def test_a_prompt_of_many_tokens_runs_on_this_cpus_kernels(ggufs: dict[str, Path],
                                                               dtype: str) -> None:
     """On an AMX CPU a batch of 2+ tokens takes the AMX int8 kernels, which died of SIGSEGV
-    (and, after torch's AMX products, SIGILL) without amx-tile-config.patch; in a child, so
-    that a crash is this test's failure."""
+    (and, after torch's AMX products, SIGILL) without amx-tile-config.patch, and a BF16 prompt
+    of 16+ tokens AMX-BF16 tiles (bf16-packed.patch), their own tile configuration loaded for
+    every product; in a child, so that a crash is this test's failure."""
     out = subprocess.run([sys.executable, "-c", AMX_SCRIPT, str(ggufs[dtype])],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
@@ -137,23 +139,27 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
 def test_a_sequence_gets_the_same_logits_alone_or_in_a_batch(ggufs: dict[str, Path],
                                                              dtype: str) -> None:
-    """Decoding sequences together changes nothing in any one of them. On an AMX CPU every row
-    goes through the same integer sums and float steps in the same order whatever the batch
-    (amx-vnni-rows.patch for Q4_0, Q8_0 and IQ4_NL batches of 2-8), so the bits are equal;
-    llama.cpp's repacked AVX2/AVX-512 kernels order a batch's float sums differently from one
-    row's, so elsewhere they agree to within float rounding."""
+    """Decoding sequences together changes nothing in any one of them. Where dsr1d's kernels
+    take the rows, every row goes through the same sums in the same order whatever the batch,
+    so the bits are equal: on an AMX CPU for Q4_0, Q8_0 and IQ4_NL batches of 2-8
+    (amx-vnni-rows.patch), on an AVX512_BF16 CPU for BF16 batches of up to 15
+    (bf16-packed.patch). llama.cpp's own kernels order a batch's float sums differently from
+    one row's, so elsewhere they agree to within float rounding (BF16: its batches go through
+    llamafile's tinyBLAS, one row through ggml_vec_dot_bf16)."""
     out = subprocess.run([sys.executable, "-c", ROWS_SCRIPT, str(ggufs[dtype])],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
-    amx = "amx_int8" in _cpu_flags().split()
+    flags = _cpu_flags().split()
+    exact = "avx512_bf16" in flags if dtype == "bf16" else "amx_int8" in flags
+    tolerance = 1e-2 if dtype == "bf16" else 1e-3
     for rows, seqs in json.loads(out.stdout.splitlines()[-1]).items():
         assert len(seqs) == int(rows)
         for diff, spread, same_top in seqs:
             assert same_top and spread > 0, (rows, seqs)
-            assert diff == 0.0 if amx else diff <= 1e-3 * spread, (rows, seqs)
+            assert diff == 0.0 if exact else diff <= tolerance * spread, (rows, seqs)
 
 
 def _wheel_plan(tmp_path: Path, flags: str) -> tuple[str, str]:
