@@ -207,6 +207,22 @@ def test_a_changed_llama_patch_gets_a_wheel_of_its_own(tmp_path: Path) -> None:
     assert folder() != shipped      # never the wheel an older patch built
 
 
+def test_a_subset_of_the_patches_gets_a_wheel_of_its_own(tmp_path: Path) -> None:
+    """bench/inference.py builds the release for its stock rows with DSR1D_LLAMA_PATCHES: only
+    the named patches, in a folder of their own; a name that is not a patch is an error."""
+    env = {**os.environ, "DSR1D_WHEEL_DRY_RUN": "1", "DSR1D_WHEEL_CACHE": str(tmp_path)}
+
+    def plan(patches: str | None) -> subprocess.CompletedProcess[str]:
+        extra = {} if patches is None else {"DSR1D_LLAMA_PATCHES": patches}
+        return subprocess.run([str(REPO / "tools" / "llama-wheel.sh"), sys.executable],
+                              env={**env, **extra}, capture_output=True, text=True)
+
+    folders = [plan(p).stdout.splitlines()[0] for p in (None, "amx-tile-config", "")]
+    assert len(set(folders)) == 3, folders
+    wrong = plan("amx-tile-config no-such-fix")
+    assert wrong.returncode == 2 and "no patch no-such-fix" in wrong.stderr, wrong
+
+
 def _cpu_flags() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("flags"):
