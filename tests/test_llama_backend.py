@@ -147,8 +147,8 @@ def test_a_sequence_gets_the_same_logits_alone_or_in_a_batch(ggufs: dict[str, Pa
     so the bits are equal: on an AMX CPU for Q4_0, Q8_0 and IQ4_NL batches of 2-8
     (amx-vnni-rows.patch), on an AVX512_BF16 CPU for BF16 batches of up to 15
     (bf16-packed.patch). llama.cpp's own kernels order a batch's float sums differently from
-    one row's, so elsewhere they agree to within float rounding (BF16: its batches go through
-    llamafile's tinyBLAS, one row through ggml_vec_dot_bf16)."""
+    one row's, so elsewhere they agree to within float rounding (BF16 more loosely: a batch and
+    one row take different paths through its kernels)."""
     out = subprocess.run([sys.executable, "-c", ROWS_SCRIPT, str(ggufs[dtype])],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
