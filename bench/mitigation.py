@@ -18,6 +18,13 @@ Targets over the ensemble: median tok/s >= 0.99x stock, worst >= 0.97x; median J
 stock; regret <= 3 % tok/s and <= 5 % J/token; zero actions on idle, bursty, PL2-expiry and VM;
 the first action before the first thermal event on >= 90 % of the plants that would throttle.
 
+The controller's reaction: its own cost per sample (microseconds, pure Python), and with
+``--reaction-samples N`` (default 20; 0 skips it) the real daemon against a fake root driven by
+the plant in real time: milliseconds from the moment the root shows the hardware throttling to
+the lower frequency ceiling the daemon writes, sampling every ``--reaction-interval`` s (1, as
+shipped). A sample comes half an interval after the event on average. `DSR1D_BENCH_LOG=FILE`
+keeps that daemon's log.
+
 With ``--daemon-seconds N`` (default 60; 0 skips it) it also starts the real daemon on this
 machine (``--root /``, a private bus, a scratch journal, and an empty profile so no knob
 changes) with the telemetry sampler at 1 Hz, and prints its CPU share of one core over N s,
@@ -29,13 +36,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from dsr1d.sim.run import Ladder, compare, figures, run, summary
+from dsr1d.sim.run import Ladder, percentile, compare, figures, run, summary
 from dsr1d.sim.scenarios import ensemble, plants
 
 
@@ -71,6 +79,94 @@ def daemon_cpu_share(seconds: float, interval: float) -> float:
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+
+
+REACT_PROFILE = """[main]
+include = sustained
+[mitigation]
+steady_s = 2
+dwell_s = 600
+settle_s = 0.5
+release_idle_s = 600
+"""
+THROTTLE_MS = "sys/devices/system/cpu/cpu0/thermal_throttle/package_throttle_total_time_ms"
+CEILING = "sys/devices/system/cpu/cpu0/cpufreq/scaling_max_freq"
+
+
+def _changed(path: Path, old: str, timeout: float) -> float | None:
+    """monotonic() when ``path`` first reads other than ``old`` (polled every ms), or None."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if path.read_text() != old:
+                return time.monotonic()
+        except OSError:
+            pass
+        time.sleep(0.001)
+    return None
+
+
+def daemon_reaction(samples: int, interval: float) -> list[float]:
+    """Milliseconds from the moment a fake root shows the hardware throttling (more throttle
+    time in ``thermal_throttle``) to the lower frequency ceiling the real daemon writes in
+    answer, ``samples`` times, the daemon sampling every ``interval`` s. The root is driven in
+    real time by the memory-bound plant (never hot on its own); the profile's energy windows are
+    ten minutes long, so throttle evidence is the only thing that moves the ceiling."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from fakeroot import intel_box
+    from harness.plant_driver import PlantDriver
+    from harness.privbus import PrivateBus
+
+    from dsr1d.sim.scenarios import MEMORY_KNEE
+
+    out: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp, \
+            PrivateBus([REPO / "etc/dbus-1/system.d/org.dsr1d.conf"]) as bus:
+        fake = intel_box(Path(tmp) / "root", cpus=4)
+        for cpu in range(4):
+            fake.add_msr(cpu, 0x1A2, 105 << 16).add_msr(cpu, 0x19C, 0).add_msr(cpu, 0x1B1, 0)
+        root = fake.path
+        (root / "etc/dsr1d/profiles").mkdir(parents=True)
+        (root / "etc/dsr1d/profiles/react.conf").write_text(REACT_PROFILE)
+        conf = Path(tmp) / "dsr1d.conf"
+        conf.write_text(f"[daemon]\ndefault_profile = react\ntelemetry_interval_s = {interval}\n")
+        env = bus.env({**os.environ, "DSR1D_PLUGINS": "plant_tokens",
+                       "PYTHONPATH": str(REPO / "tests")})
+        with PlantDriver(root, MEMORY_KNEE) as driver:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "dsr1d.edges.admin", "run", "--root", str(root),
+                 "--config", str(conf), "--bus-address", bus.address],
+                env=env, stderr=open(os.environ.get("DSR1D_BENCH_LOG", os.devnull), "wb"))
+            try:
+                time.sleep(8)   # start-up, then steady_s of decode
+                for _ in range(samples):
+                    time.sleep(random.uniform(1.2, 1.2 + interval))   # any phase of the sampler
+                    ceiling, throttle = (root / CEILING).read_text(), (root / THROTTLE_MS).read_text()
+                    driver.inject_throttle()
+                    shown = _changed(root / THROTTLE_MS, throttle, 2.0)
+                    written = _changed(root / CEILING, ceiling, 10 * interval + 5)
+                    if shown is not None and written is not None:
+                        out.append((written - shown) * 1000)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+    return out
+
+
+def controller_step_us(seconds: float = 600.0) -> float:
+    """Microseconds the controller takes per sample (pure Python) over a step-tcc run."""
+    from dsr1d.core.efficiency import EfficiencyController, Observation
+    from dsr1d.sim.plant import Plant
+    plant, ctl, spent, n = Plant(plants()["step-tcc"].params), EfficiencyController(), 0.0, 0
+    for _ in range(int(seconds)):
+        plant.step(1.0)
+        o = Observation(**plant.observed())
+        t = time.perf_counter()
+        for a in ctl.step(o):
+            plant.controls.ceiling_ghz = a.params["mhz"] / 1000 if a.kind == "apply" else None
+        spent += time.perf_counter() - t
+        n += 1
+    return spent / n * 1e6
 
 
 def _row(name: str, f: dict) -> str:
@@ -112,6 +208,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json-only", action="store_true")
     ap.add_argument("--daemon-seconds", type=float, default=60.0)
+    ap.add_argument("--reaction-samples", type=int, default=20)
+    ap.add_argument("--reaction-interval", type=float, default=1.0)
     args = ap.parse_args()
 
     result: dict = {"simulated_s": args.seconds}
@@ -157,6 +255,19 @@ def main() -> None:
             print(f"daemon CPU share on this machine over {args.daemon_seconds:.0f} s: "
                   f"{sampling:.3f} % of one core sampling at 1 Hz (target < 0.5 %), "
                   f"{baseline:.3f} % without sampling\n")
+    result["controller_step_us"] = controller_step_us()
+    if args.reaction_samples > 0:
+        react = sorted(daemon_reaction(args.reaction_samples, args.reaction_interval))
+        pct = {q: percentile(react, q) for q in (50, 90, 100)}
+        result["daemon_reaction_ms"] = {"interval_s": args.reaction_interval,
+                                        "samples": len(react), "p50": pct[50], "p90": pct[90],
+                                        "max": pct[100]}
+        if not args.json_only:
+            print(f"controller: {result['controller_step_us']:.0f} us a sample; the real daemon "
+                  f"sampling every {args.reaction_interval:g} s answered the hardware throttling "
+                  f"with a lower ceiling in p50 {pct[50] or 0:.0f} ms, p90 {pct[90] or 0:.0f} ms, "
+                  f"max {pct[100] or 0:.0f} ms ({len(react)} of {args.reaction_samples}; the "
+                  f"next sample comes {args.reaction_interval * 500:.0f} ms later on average)\n")
     print(json.dumps(result, indent=2, default=str, ensure_ascii=False))
 
 

@@ -6,14 +6,12 @@ decode tokens/s, which the `plant_tokens` test plugin reports as the engine's. T
 sampler, controller and tunables do the rest, with a profile whose ``[mitigation]`` timings are
 scaled to seconds. Asserted: the frequency ceiling reaches every CPU's file, ``Mitigations`` and
 ``ThrottleStateChanged`` say so, SIGTERM and SIGKILL + ``dsr1d restore`` put every knob back, and a
-ceiling the machine refuses is given up once for a PL1 cap that never rises above the firmware's.
+ceiling the machine refuses is given up once for a PL1 cap that never rises above the firmware's,
+and the kernel's throttle time rising lowers the ceiling at the next sample.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,9 +19,9 @@ import pytest
 pytest.register_assert_rewrite("daemon_fixtures")
 from conftest import TESTS, run_dsr1d  # noqa: E402
 from daemon_fixtures import eventually, prop  # noqa: E402
-from dsr1d.sim.plant import Plant, PlantParams, apply_controls, read_controls
 from dsr1d.sim.scenarios import MEMORY_KNEE, STEP_TCC
 from fakeroot import intel_box
+from harness.plant_driver import PlantDriver
 
 pytest_plugins = ["daemon_fixtures"]
 CPUS = 4
@@ -41,42 +39,6 @@ ENV = {"DSR1D_PLUGINS": "plant_tokens", "PYTHONPATH": str(TESTS)}
 
 def ceiling_files(root: Path) -> list[Path]:
     return [root / f"sys/devices/system/cpu/cpu{n}/cpufreq/scaling_max_freq" for n in range(CPUS)]
-
-
-class PlantDriver:
-    """Steps the plant in a thread: controls from the files, state into the files."""
-
-    def __init__(self, root: Path, params: PlantParams) -> None:
-        self.root = root
-        self.plant = Plant(replace(params, cores=CPUS, c_eff_nf=params.c_eff_nf * 8,
-                                   c_sink_j_per_k=15.0, c_die_j_per_k=2.0))
-        self.stop = threading.Event()
-        self.write()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def write(self) -> None:
-        self.plant.write_fake_root(self.root)
-        tokens = self.plant.last.get("tokens_per_s", self.plant.tokens_per_s(self.plant.freq_ghz))
-        (self.root / "sim").mkdir(exist_ok=True)
-        (self.root / "sim/.tokens").write_text(f"{tokens:.4f}\n")
-        (self.root / "sim/.tokens").replace(self.root / "sim/tokens_per_s")
-
-    def _run(self) -> None:
-        last = time.monotonic()
-        while not self.stop.wait(0.05):
-            now = time.monotonic()
-            apply_controls(self.plant, read_controls(self.root))
-            self.plant.step(now - last)
-            last = now
-            self.write()
-
-    def __enter__(self) -> "PlantDriver":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture
@@ -99,7 +61,7 @@ def sim_config(tmp_path: Path) -> Path:
 def test_the_ceiling_is_applied_shown_and_restored_by_sigterm(start_daemon, bus, client,
                                                               sim_root, sim_config):
     original = [int(f.read_text()) for f in ceiling_files(sim_root)]
-    driver = PlantDriver(sim_root, MEMORY_KNEE)
+    driver = PlantDriver(sim_root, MEMORY_KNEE, CPUS)
     watcher = client()
     watcher.subscribe("type='signal',interface='org.dsr1d.Manager1',member='ThrottleStateChanged'")
     daemon = start_daemon(root=sim_root, config_path=sim_config, notify=False, env=ENV)
@@ -125,7 +87,7 @@ def test_the_ceiling_is_applied_shown_and_restored_by_sigterm(start_daemon, bus,
 def test_sigkill_leaves_the_ceiling_journaled_and_restore_puts_it_back(
         start_daemon, bus, sim_root, sim_config):
     original = [int(f.read_text()) for f in ceiling_files(sim_root)]
-    driver = PlantDriver(sim_root, MEMORY_KNEE)      # its files before the daemon probes
+    driver = PlantDriver(sim_root, MEMORY_KNEE, CPUS)      # its files before the daemon probes
     daemon = start_daemon(root=sim_root, config_path=sim_config, notify=False, env=ENV)
     with driver:
         eventually(lambda: all(int(f.read_text()) < 3_000_000 for f in ceiling_files(sim_root)),
@@ -141,7 +103,7 @@ def test_sigkill_leaves_the_ceiling_journaled_and_restore_puts_it_back(
 def test_a_refused_ceiling_is_given_up_once_for_a_pl1_cap_below_the_firmwares(
         start_daemon, bus, sim_root, sim_config):
     firmware = int((sim_root / PL1).read_text())
-    driver = PlantDriver(sim_root, STEP_TCC)
+    driver = PlantDriver(sim_root, STEP_TCC, CPUS)
     refusing = {**ENV, "DSR1D_PLUGINS": "plant_tokens,refuse_ceiling"}   # EBUSY on the ceiling
     daemon = start_daemon(root=sim_root, config_path=sim_config, notify=False, env=refusing)
     seen: list[int] = []
@@ -159,3 +121,28 @@ def test_a_refused_ceiling_is_given_up_once_for_a_pl1_cap_below_the_firmwares(
     assert max(seen) <= firmware
     assert daemon.stop() == 0
     assert int((sim_root / PL1).read_text()) == firmware
+
+
+def test_the_kernels_throttle_time_lowers_the_ceiling_at_once(start_daemon, sim_root,
+                                                               sim_config):
+    driver = PlantDriver(sim_root, MEMORY_KNEE, CPUS)       # never hot on its own
+    daemon = start_daemon(root=sim_root, config_path=sim_config, notify=False, env=ENV)
+    with driver:
+        eventually(lambda: "mitigation apply freq_ceiling" in daemon.log(), timeout=60,
+                   what="a first (energy) ceiling")
+        assert "the hardware throttled" not in daemon.log()
+
+        def answered() -> str | None:
+            # the kernel's throttle time rising, as long as the hardware throttles (the
+            # controller leaves evidence within a second of its own last change alone)
+            driver.inject_throttle(0.1)
+            return next((ln for ln in daemon.log().splitlines()
+                         if "the hardware throttled" in ln), None)
+        line = eventually(answered, timeout=15, interval=0.3,
+                          what="a cut answering the throttle time")
+        was, now = (int(x) for x in line.split("ceiling ", 1)[1].split(" MHz", 1)[0]
+                    .split(" -> "))
+        assert now < was
+        eventually(lambda: all(int(f.read_text()) == now * 1000 for f in ceiling_files(sim_root)),
+                   timeout=10, what=f"the {now} MHz ceiling on every CPU")
+    assert daemon.stop() == 0

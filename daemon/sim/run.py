@@ -160,7 +160,8 @@ def run(scenario: Scenario, pol: Policy, seconds: float = 600.0,
     return rows
 
 
-def _percentile(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``th percentile (nearest rank) of ``values``; None when there are none."""
     if not values:
         return None
     values = sorted(values)
@@ -184,7 +185,7 @@ def figures(rows: list[dict[str, Any]], warmup_s: float = WARMUP_S) -> dict[str,
     first_action = next((r["time_s"] for r in rows if r["actions"]), None)
     return {
         "tokens_per_s": tokens / span,
-        "p5_tokens_per_s": _percentile(decoding, 5),
+        "p5_tokens_per_s": percentile(decoding, 5),
         "joules_per_token": energy / tokens if tokens > 0 else None,
         "throttle_events_per_min": (end["events"] - warm["events"]) / span * 60,
         "throttle_duty": (end["hot_s"] - warm["hot_s"]) / span,
