@@ -17,6 +17,8 @@ the right answer is none), regret (1 - dsr1d/oracle tok/s; dsr1d/oracle - 1 J/to
 Targets over the ensemble: median tok/s >= 0.99x stock, worst >= 0.97x; median J/token <= 0.85x
 stock; regret <= 3 % tok/s and <= 5 % J/token; zero actions on idle, bursty, PL2-expiry and VM;
 the first action before the first thermal event on >= 90 % of the plants that would throttle.
+Then the frontier of the best fixed ceiling over the ensemble at delta 2, 5 and 10 %: what the
+tokens/s and J/token targets cost each other on these plants, whatever the controller.
 
 The controller's reaction: its own cost per sample (microseconds, pure Python), and with
 ``--reaction-samples N`` (default 20; 0 skips it) the real daemon against a fake root driven by
@@ -37,13 +39,15 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from dsr1d.sim.run import Ladder, percentile, compare, figures, run, summary
+from dsr1d.sim.run import (Ladder, best_fixed, ceiling_runs, compare, figures, percentile, run,
+                           summary)
 from dsr1d.sim.scenarios import ensemble, plants
 
 
@@ -201,11 +205,32 @@ def named_plants(seconds: float) -> dict:
     return out
 
 
+FRONTIER_DELTAS = (2.0, 5.0, 10.0)
+
+
+def oracle_frontier(scenarios: list, seconds: float) -> list[dict]:
+    """What the best fixed ceiling reaches over the plants when it may give up ``delta`` % of
+    tokens/s: the trade between the tokens/s and the J/token targets."""
+    per: dict[float, tuple[list[float], list[float]]] = {d: ([], []) for d in FRONTIER_DELTAS}
+    for sc in scenarios:
+        runs = ceiling_runs(sc, seconds)
+        stock = runs["stock"]
+        for d in FRONTIER_DELTAS:
+            _, f = best_fixed(runs, d)
+            per[d][0].append(f["tokens_per_s"] / stock["tokens_per_s"])
+            per[d][1].append(f["joules_per_token"] / stock["joules_per_token"])
+    return [{"delta_percent": d, "median_tokens_ratio": statistics.median(tok),
+             "worst_tokens_ratio": min(tok), "median_energy_ratio": statistics.median(en)}
+            for d, (tok, en) in per.items()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=600.0)
     ap.add_argument("--ensemble", type=int, default=100)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--elasticity", default="0.05,0.5", metavar="LO,HI",
+                    help="the ensemble's range of decode elasticity at turbo")
     ap.add_argument("--json-only", action="store_true")
     ap.add_argument("--daemon-seconds", type=float, default=60.0)
     ap.add_argument("--reaction-samples", type=int, default=20)
@@ -219,13 +244,10 @@ def main() -> None:
                                                    "false_actions_per_h")}
                         for k, v in named_plants(args.seconds).items()}
     t0 = time.monotonic()
-    results = [compare(sc, args.seconds) for sc in ensemble(args.ensemble, args.seed)]
+    lo, hi = (float(x) for x in args.elasticity.split(","))
+    plants_drawn = ensemble(args.ensemble, args.seed, (lo, hi))
+    results = [compare(sc, args.seconds) for sc in plants_drawn]
     summ = summary(results)
-    oracle_tok = sorted(r["oracle"]["tokens_per_s"] / r["stock"]["tokens_per_s"] for r in results)
-    oracle_en = sorted(r["oracle"]["joules_per_token"] / r["stock"]["joules_per_token"]
-                       for r in results)
-    summ["oracle_median_tokens_ratio"] = oracle_tok[len(oracle_tok) // 2]
-    summ["oracle_median_energy_ratio"] = oracle_en[len(oracle_en) // 2]
     result["ensemble"] = summ
     quiet = [n for n, sc in plants().items() if sc.quiet]
     targets = {
@@ -240,11 +262,18 @@ def main() -> None:
             summ["acted_before_throttling"] >= 0.9 * summ["plants_that_throttle"],
     }
     result["targets"] = targets
-    print(f"\nensemble of {args.ensemble} (seed {args.seed}, {time.monotonic() - t0:.0f} s):")
+    result["oracle_frontier"] = oracle_frontier(plants_drawn, args.seconds)
+    print(f"\nensemble of {args.ensemble} (seed {args.seed}, elasticity {lo:g}-{hi:g}, "
+          f"{time.monotonic() - t0:.0f} s):")
     for k, v in summ.items():
         print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")
     for name, ok in targets.items():
         print(f"target {name}: {'met' if ok else 'MISSED'}")
+    print("the best fixed ceiling over the ensemble, giving up delta % of tokens/s:")
+    for row in result["oracle_frontier"]:
+        print(f"  delta {row['delta_percent']:4.1f} %: median tok/s "
+              f"{row['median_tokens_ratio']:.3f}x stock (worst {row['worst_tokens_ratio']:.3f}), "
+              f"median J/token {row['median_energy_ratio']:.3f}x")
     print()
     if args.daemon_seconds > 0:
         sampling = daemon_cpu_share(args.daemon_seconds, 1.0)

@@ -4,7 +4,9 @@ The tokens-per-joule controller's main actuator: decode is memory-bound above a 
 ceiling there keeps tokens/s and sheds the power the top bins cost. Knob:
 ``cpuN/cpufreq/scaling_max_freq`` (kHz, every cpufreq driver: intel_pstate, amd-pstate,
 acpi-cpufreq), clamped to the CPU's ``cpuinfo_min_freq``..``cpuinfo_max_freq``; ``max`` puts
-the hardware's top back. Applied to every online CPU.
+the hardware's top back. Applied to every online CPU. Under amd-pstate (and intel_pstate with
+HWP) the driver turns the ceiling into the CPPC/HWP ``max_perf`` it programs; ``acpi_cppc/`` in
+sysfs is read-only, so ``scaling_max_freq`` is the interface there too.
 
 Example::
 

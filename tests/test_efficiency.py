@@ -16,7 +16,9 @@ from dataclasses import replace
 import pytest
 
 from dsr1d.core.efficiency import EfficiencyConfig, EfficiencyController, Observation, settings
-from dsr1d.sim.run import Dsr1d, Policy, compare, figures, run, summary
+from dsr1d.sim.plant import Plant
+from dsr1d.sim.run import (Dsr1d, Policy, best_fixed, ceiling_runs, compare, figures, run,
+                           summary)
 from dsr1d.sim.scenarios import Scenario, ensemble, plants
 
 PLANTS = plants()
@@ -141,6 +143,27 @@ def test_the_ensemble_is_seeded_and_summarised() -> None:
     summ = summary(results)
     assert summ["plants"] == 3
     assert 0.9 <= summ["median_tokens_ratio"] <= 1.5 and summ["median_energy_ratio"] <= 1.0
+
+
+def test_a_narrower_elasticity_draws_more_memory_bound_plants() -> None:
+    def elasticity(p) -> float:      # d ln R / d ln f at turbo, from the plant's own decode model
+        plant, f, h = Plant(p), p.f_turbo_ghz, 1e-3
+        return (math.log(plant.tokens_per_s(f + h)) - math.log(plant.tokens_per_s(f - h))) / \
+            (math.log(f + h) - math.log(f - h))
+    wide = [elasticity(s.params) for s in ensemble(40, seed=5)]
+    narrow = [elasticity(s.params) for s in ensemble(40, seed=5, elasticity=(0.05, 0.1))]
+    assert all(e <= 0.1 + 1e-6 for e in narrow)
+    assert max(wide) > 0.2 and sum(narrow) < sum(wide)
+
+
+def test_the_oracle_saves_more_energy_when_it_may_give_up_more_tokens() -> None:
+    runs = ceiling_runs(PLANTS["step-tcc"], 300)
+    picks = [best_fixed(runs, d)[1] for d in (2.0, 5.0, 10.0)]
+    best = max(f["tokens_per_s"] for f in runs.values())
+    for d, f in zip((2.0, 5.0, 10.0), picks):
+        assert f["tokens_per_s"] >= (1 - d / 100) * best
+    joules = [f["joules_per_token"] for f in picks]
+    assert joules[0] >= joules[1] >= joules[2] and joules[2] < joules[0]
 
 
 def test_stock_is_what_the_plant_does_alone() -> None:

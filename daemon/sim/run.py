@@ -197,16 +197,22 @@ def figures(rows: list[dict[str, Any]], warmup_s: float = WARMUP_S) -> dict[str,
     }
 
 
-def oracle(scenario: Scenario, seconds: float = 600.0, delta_percent: float = 2.0,
-           step_mhz: float = ORACLE_STEP_MHZ) -> tuple[str, dict[str, Any]]:
-    """The best fixed ceiling: the least J/token among the ceilings (every ``step_mhz`` and
-    none) whose tokens/s is within ``delta_percent`` of the best of them."""
+def ceiling_runs(scenario: Scenario, seconds: float = 600.0,
+                 step_mhz: float = ORACLE_STEP_MHZ) -> dict[str, dict[str, Any]]:
+    """The figures of ``stock`` and of every fixed ceiling from the floor up, ``step_mhz`` apart."""
     p = scenario.params
     mhz = p.f_min_ghz * 1000
     runs = {"stock": figures(run(scenario, Policy(), seconds))}
     while mhz < p.f_turbo_ghz * 1000 - 1:
         runs[f"ceiling:{mhz:.0f}"] = figures(run(scenario, Ceiling(mhz), seconds))
         mhz += step_mhz
+    return runs
+
+
+def best_fixed(runs: dict[str, dict[str, Any]],
+               delta_percent: float = 2.0) -> tuple[str, dict[str, Any]]:
+    """Of `ceiling_runs`, the least J/token among those whose tokens/s is within
+    ``delta_percent`` of the best of them."""
     best = max(f["tokens_per_s"] for f in runs.values())
     ok = {k: f for k, f in runs.items() if f["tokens_per_s"] >= (1 - delta_percent / 100) * best
           and f["joules_per_token"] is not None}
@@ -214,6 +220,13 @@ def oracle(scenario: Scenario, seconds: float = 600.0, delta_percent: float = 2.
         return "stock", runs["stock"]
     name = min(ok, key=lambda k: ok[k]["joules_per_token"])
     return name, ok[name]
+
+
+def oracle(scenario: Scenario, seconds: float = 600.0, delta_percent: float = 2.0,
+           step_mhz: float = ORACLE_STEP_MHZ) -> tuple[str, dict[str, Any]]:
+    """The best fixed ceiling: the least J/token among the ceilings (every ``step_mhz`` and
+    none) whose tokens/s is within ``delta_percent`` of the best of them."""
+    return best_fixed(ceiling_runs(scenario, seconds, step_mhz), delta_percent)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

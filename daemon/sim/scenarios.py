@@ -26,7 +26,8 @@ Named plants (the XEON calibration of `dsr1d.sim.plant` unless said otherwise):
 
 Ensemble ranges (uniform unless said otherwise; the ranges of MITIGATION-NOTES.md):
 throttle model TCC (80 %) or floor (20 %); TCC step 0.1 or 0.2 GHz, hysteresis 0.5–2 °C; knee
-1–3 GHz and the decode elasticity at turbo 0.05–0.5 (``overlap_p`` solved from both, 1..49, so
+1–3 GHz and the decode elasticity at turbo 0.05–0.5 (``ensemble(elasticity=…)`` narrows it for what-if
+studies; ``overlap_p`` solved from both, 1..49, so
 elasticity is capped by what a knee allows); heat capacities ×0.3–3 (log-uniform), heat-sink
 resistance ×0.7–1.4; V–f slope 0.10–0.20 V/GHz; leakage 0.5–2 %/°C; inlet 20–35 °C; a third of
 the plants get an inlet step of +3–10 °C at 150–400 s.
@@ -136,19 +137,24 @@ def _overlap_for(elasticity: float, knee_ghz: float, f_ghz: float) -> float:
     return max(1.0, min(49.0, math.log(target) / math.log(r)))
 
 
-def ensemble(n: int, seed: int = 0) -> list[Scenario]:
-    """``n`` plants drawn from the module docstring's ranges, reproducible from ``seed``."""
+ELASTICITY = (0.05, 0.5)
+
+
+def ensemble(n: int, seed: int = 0,
+             elasticity: tuple[float, float] = ELASTICITY) -> list[Scenario]:
+    """``n`` plants drawn from the module docstring's ranges, reproducible from ``seed``;
+    ``elasticity`` narrows the range of decode elasticity at turbo (what-if studies)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
         knee = rng.uniform(1.0, 3.0)
-        elasticity = rng.uniform(0.05, 0.5)
+        elast = rng.uniform(*elasticity)
         log3 = math.log(3.0)
         params = replace(
             XEON, name=f"ensemble-{seed}-{i}",
             throttle="tcc" if rng.random() < 0.8 else "floor",
             tcc_step_ghz=rng.choice((0.1, 0.2)), tcc_hyst_c=rng.uniform(0.5, 2.0),
-            knee_ghz=knee, overlap_p=_overlap_for(elasticity, knee, XEON.f_turbo_ghz),
+            knee_ghz=knee, overlap_p=_overlap_for(elast, knee, XEON.f_turbo_ghz),
             c_sink_j_per_k=XEON.c_sink_j_per_k * math.exp(rng.uniform(-log3, log3)),
             c_die_j_per_k=XEON.c_die_j_per_k * math.exp(rng.uniform(-log3, log3)),
             r_sink_amb_k_per_w=XEON.r_sink_amb_k_per_w * rng.uniform(0.7, 1.4),
