@@ -15,6 +15,7 @@ ENGINE_BACKENDS = ("auto", "llamacpp", "torch")
 # mitigator, dsr1ctl watch): a key spelt two ways is a column that stays empty.
 PKG_TEMP_C = "pkg_temp_c"
 PKG_POWER_W = "pkg_power_w"
+RAM_POWER_W = "ram_power_w"          # DRAM, every domain summed (RAPL dram, turbostat RAMWatt)
 BUSY_MHZ = "busy_mhz"
 CPU_MHZ = "cpu_mhz"
 THROTTLE_COUNT = "throttle_count"

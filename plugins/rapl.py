@@ -7,7 +7,7 @@ delta over the time between two reads. Since CVE-2020-8694 (PLATYPUS) ``energy_u
 readable by root only.
 
 Keys: ``rapl_<domain>_w`` (``rapl_package_0_w``, ``rapl_package_0_dram_w``, ``rapl_psys_w``),
-``pkg_power_w`` (the packages summed) and ``pl1_w`` (package 0's ``constraint_0_power_limit_uw``
+``pkg_power_w`` (the packages summed), ``ram_power_w`` (the ``dram`` domains summed) and ``pl1_w`` (package 0's ``constraint_0_power_limit_uw``
 as the hardware reads it back, where there is one); with two or more packages also
 ``pkg_power_packages_w`` and ``pl1_packages_w`` (lists, in zone order), for per-socket caps. The first read only primes the counters; a
 counter that goes backwards (anything but a wrap) makes that domain unavailable for that
@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from dsr1d.constants import PKG_POWER_PACKAGES_W, PKG_POWER_W, PL1_PACKAGES_W, PL1_W
+from dsr1d.constants import PKG_POWER_PACKAGES_W, PKG_POWER_W, PL1_PACKAGES_W, PL1_W, RAM_POWER_W
 from dsr1d.contract.hookspecs import hookimpl
 from dsr1d.contract.sysroot import SysRoot
 from dsr1d.contract.telemetry import UNAVAILABLE, Unavailable, describe_oserror, read_int, \
@@ -129,6 +129,8 @@ class Rapl:
         vanished = False
         package_w: list[float] = []
         package_missing = False
+        dram_w: list[float] = []
+        dram_missing = False
         for d in self.domains:
             path = d.energy
             try:
@@ -141,11 +143,13 @@ class Rapl:
                     vanished = True
                 d.last_uj = d.last_t = None
                 package_missing |= d.package
+                dram_missing |= d.name == "dram"
                 continue
             except ValueError:
                 missing[d.name] = f"{path}: not a number"
                 d.last_uj = d.last_t = None
                 package_missing |= d.package
+                dram_missing |= d.name == "dram"
                 continue
             watts, why = self._power(d, uj, now)
             d.last_uj, d.last_t = uj, now
@@ -153,14 +157,19 @@ class Rapl:
                 if why:
                     missing[d.name] = why
                 package_missing |= d.package
+                dram_missing |= d.name == "dram"
                 continue
             out[d.key] = watts
             if d.package:
                 package_w.append(watts)
+            elif d.name == "dram":
+                dram_w.append(watts)
         if package_w and not package_missing:
             out[PKG_POWER_W] = round(sum(package_w), 3)
         if package_w and not package_missing and len(package_w) > 1:
             out[PKG_POWER_PACKAGES_W] = package_w          # per socket, in zone order
+        if dram_w and not dram_missing:
+            out[RAM_POWER_W] = round(sum(dram_w), 3)
         limits = []
         for d in self.domains:
             if d.pl1 is None:

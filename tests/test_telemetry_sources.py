@@ -324,7 +324,7 @@ def test_rapl_watts_from_energy_deltas(rapl_root: FakeRoot) -> None:
     assert rapl.read(root, 102.0) == {
         "rapl_package_0_w": 30.0, "rapl_package_0_core_w": 20.0,
         "rapl_package_0_dram_w": 3.0, "rapl_package_1_w": 25.0, "pkg_power_w": 55.0,
-        "pkg_power_packages_w": [30.0, 25.0]}
+        "pkg_power_packages_w": [30.0, 25.0], "ram_power_w": 3.0}
 
 
 def test_rapl_gives_each_packages_power_and_limit_for_per_socket_caps(
@@ -790,3 +790,19 @@ def test_register_telemetry_sources_from_a_third_party_plugin(
     assert "fan" not in sample["unavailable"]
     assert "turbostat" in sample["unavailable"]          # a fake root: never the real turbostat
     sys.modules.pop("gpu_probe", None)
+
+
+def test_rapl_reports_no_dram_total_when_a_dram_domain_is_unreadable(
+        rapl_root: FakeRoot) -> None:
+    add_rapl(rapl_root, "intel-rapl:1:0", "dram", 0)
+    root = SysRoot(rapl_root.path)
+    rapl = Rapl()
+    rapl.start(root)
+    rapl.read(root, 100.0)
+    set_energy(rapl_root, "intel-rapl:0:1", 100_000 + 6_000_000)
+    set_energy(rapl_root, "intel-rapl:1:0", 4_000_000)
+    both = rapl.read(root, 102.0)
+    assert both["ram_power_w"] == 5.0                        # 3 W + 2 W
+    rapl_root.write(f"{PCAP}/intel-rapl:1:0/energy_uj", "garbage\n")
+    one = rapl.read(root, 104.0)
+    assert "ram_power_w" not in one                          # half the DRAM is no total

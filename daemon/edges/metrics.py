@@ -6,7 +6,9 @@ Names in node-exporter style, units in the name: ``dsr1d_requests_total{endpoint
 ``dsr1d_decode_tokens_per_second``, ``dsr1d_profile_info{profile}``, ``dsr1d_holds``,
 ``dsr1d_throttle_state_info{state}``, ``dsr1d_mitigations_active``,
 ``dsr1d_package_temperature_celsius``, ``dsr1d_package_power_watts`` and
-``dsr1d_energy_per_token_joules`` (package power over decode tokens/s, while decoding). Nothing
+``dsr1d_energy_per_token_joules`` (package power over decode tokens/s, while decoding),
+``dsr1d_dram_power_watts`` and ``dsr1d_energy_per_token_with_dram_joules`` (package and DRAM
+power over decode tokens/s) where the machine reports DRAM power. Nothing
 of a request's text is ever a label.
 """
 
@@ -19,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from dsr1d.constants import PKG_POWER_W, PKG_TEMP_C
+from dsr1d.constants import PKG_POWER_W, PKG_TEMP_C, RAM_POWER_W
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 Status = Callable[[], dict[str, Any]]
@@ -63,6 +65,13 @@ class _Live:
             if s.get("decoding") and rate > 0:
                 yield _gauge("dsr1d_energy_per_token_joules", "package energy per decoded "
                              "token", watts / rate)
+        if sample.get(RAM_POWER_W) is not None:
+            dram = float(sample[RAM_POWER_W])
+            yield _gauge("dsr1d_dram_power_watts", "DRAM power", dram)
+            if sample.get(PKG_POWER_W) is not None and s.get("decoding") and rate > 0:
+                # decode streams every weight from DRAM once a token: its share is real energy
+                yield _gauge("dsr1d_energy_per_token_with_dram_joules", "package and DRAM "
+                             "energy per decoded token", (float(sample[PKG_POWER_W]) + dram) / rate)
 
 
 def _gauge(name: str, help: str, value: float) -> GaugeMetricFamily:
