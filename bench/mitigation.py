@@ -18,7 +18,9 @@ Targets over the ensemble: median tok/s >= 0.99x stock, worst >= 0.97x; median J
 stock; regret <= 3 % tok/s and <= 5 % J/token; zero actions on idle, bursty, PL2-expiry and VM;
 the first action before the first thermal event on >= 90 % of the plants that would throttle.
 Then the frontier of the best fixed ceiling over the ensemble at delta 2, 5 and 10 %: what the
-tokens/s and J/token targets cost each other on these plants, whatever the controller.
+tokens/s and J/token targets cost each other on these plants, whatever the controller; and the
+same ensemble seen through real sensors (noisy tokens/s and power, whole-degree temperatures;
+``--exact-only`` skips it).
 
 The controller's reaction: its own cost per sample (microseconds, pure Python), and with
 ``--reaction-samples N`` (default 20; 0 skips it) the real daemon against a fake root driven by
@@ -233,6 +235,8 @@ def main() -> None:
                     help="the ensemble's range of decode elasticity at turbo")
     ap.add_argument("--json-only", action="store_true")
     ap.add_argument("--daemon-seconds", type=float, default=60.0)
+    ap.add_argument("--exact-only", action="store_true",
+                    help="skip the ensemble through real sensors' noise and resolution")
     ap.add_argument("--reaction-samples", type=int, default=20)
     ap.add_argument("--reaction-interval", type=float, default=1.0)
     args = ap.parse_args()
@@ -274,6 +278,14 @@ def main() -> None:
         print(f"  delta {row['delta_percent']:4.1f} %: median tok/s "
               f"{row['median_tokens_ratio']:.3f}x stock (worst {row['worst_tokens_ratio']:.3f}), "
               f"median J/token {row['median_energy_ratio']:.3f}x")
+    if not args.exact_only:
+        real = summary([compare(sc, args.seconds) for sc in
+                        ensemble(args.ensemble, args.seed, (lo, hi), real_sensors=True)])
+        result["ensemble_real_sensors"] = real
+        print("the same plants through real sensors (tokens/s 0-3 % noise, power 0-2 %, "
+              "whole degrees):")
+        print("  " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                               for k, v in real.items()))
     print()
     if args.daemon_seconds > 0:
         sampling = daemon_cpu_share(args.daemon_seconds, 1.0)

@@ -111,6 +111,30 @@ def test_pl1_is_only_lowered_and_a_lock_is_read_back() -> None:
     assert "ignores" in got[1][1].reason
 
 
+def test_a_floor_clamp_cuts_the_ceiling_by_one_move_at_most() -> None:
+    cfg = EfficiencyConfig(dwell_s=600)          # no energy decision in the way
+    ctl = EfficiencyController(cfg)
+    common = dict(tokens_per_s=10.0, pkg_power_w=250.0, pkg_temp_c=90.0, max_mhz=3800.0,
+                  min_mhz=800.0, ceiling_mhz=3800.0)
+    for t in range(40):                       # steady decode at the top, never hot
+        assert ctl.step(Observation(time_s=float(t), busy_mhz=3800.0, throttle_ms=0.0,
+                                    **common)) == []
+    # PROCHOT# held the clock at the 0.8 GHz floor for most of the last second
+    [cut] = ctl.step(Observation(time_s=40.0, busy_mhz=1000.0, throttle_ms=800.0, **common))
+    assert cut.kind == "apply" and "hardware throttled" in cut.reason
+    assert cut.params["mhz"] == 3800.0 - cfg.max_move_bins * cfg.step_mhz
+
+
+def test_noisy_tokens_per_s_still_lower_a_memory_bound_ceiling() -> None:
+    noisy = PLANTS["memory-knee"]
+    noisy = replace(noisy, params=replace(noisy.params, tokens_noise=0.02, power_noise=0.01,
+                                          temp_step_c=1.0, noise_seed=1))
+    r = compare(noisy, 600)
+    assert r["tokens_ratio"] >= 0.97
+    assert r["energy_ratio"] <= 0.62         # exact sensors: 0.47; chasing the noise: 0.67
+    assert r["dsr1d"]["actions"] <= 15
+
+
 def test_missing_values_are_never_evidence() -> None:
     ctl = EfficiencyController()
     for t in range(300):

@@ -28,6 +28,13 @@ Power rises with f faster than tokens/s, so that lowest f is also the cheapest p
 window that lands under the floor is a point like any other and moves the fit back up, and the
 ceiling never again goes at or under a ceiling that broke the floor (until the next decode).
 
+Noise: a real engine's tokens/s moves a few per cent from sample to sample. Each window carries
+the standard error of its mean (``se``); the best tokens/s is the best ``R - 2 se`` (the best of
+many noisy windows is not the best decode), a window breaks the floor only when ``R + 2 se`` is
+under it, and ``f_energy`` uses the slope two standard errors steeper (``se_b``: from the
+scatter about the line or the windows' own noise, the larger), turned about the points' centre.
+So a ceiling goes only as low as the evidence carries; with exact readings nothing changes.
+
 Thermal guard
 -------------
 The limit is ``limit_temp_c`` or the machine's TjMax minus the TCC offset (or 95 °C); the set
@@ -40,7 +47,9 @@ the idle package before decode), and the frequency for it comes from ``P ~ p0 + 
 more than a quarter of the horizon left the cut is one bin and the next decision sees a fresh fit
 (a fit over a short stretch takes the die and the heat sink's slow rise for one lag and
 overshoots ``T_ss``). Hardware throttle evidence (throttle time rising, thermal limit-reason
-bits) lowers the ceiling one bin at once: the guard was late. The guard is relaxed a bin at a
+bits) lowers the ceiling one bin under the busy frequency at once (the guard was late), never
+more than ``max_move_bins`` under the ceiling in force: under an external PROCHOT# the busy
+frequency is the floor clock's. The guard is relaxed a bin at a
 time while the temperature predicted one bin up stays under the set point, at most one bin per
 ``horizon_s / 2``: the heat over the idle package is taken as proportional to the power over it,
 and the power one bin up comes from the measured windows' slope dP/df (``(f'/f)^2.5`` of the
@@ -182,38 +191,55 @@ class Observation:
     pl1_firmware_packages_w: tuple | None = None  # the firmware's, per package
 
 
+Point = tuple[float, float, float, float]      # busy MHz, tokens/s, watts, tokens/s std. error
+
+
 @dataclass
 class _Window:
     start_s: float
     n: int = 0
     f: float = 0.0
     r: float = 0.0
+    r2: float = 0.0
     p: float = 0.0
 
     def add(self, o: Observation) -> None:
         self.n += 1
         self.f += o.busy_mhz or 0.0
         self.r += o.tokens_per_s or 0.0
+        self.r2 += (o.tokens_per_s or 0.0) ** 2
         self.p += o.pkg_power_w or 0.0
 
-    def point(self) -> tuple[float, float, float]:
-        return self.f / self.n, self.r / self.n, self.p / self.n
+    def point(self) -> Point:
+        """The window's means and the standard error of its tokens/s (0 from a single sample)."""
+        mean = self.r / self.n
+        var = max(0.0, self.r2 / self.n - mean * mean) * self.n / (self.n - 1) \
+            if self.n > 1 else 0.0
+        return self.f / self.n, mean, self.p / self.n, math.sqrt(var / self.n)
 
 
 def _watts(values: list[float]) -> str:
     return "+".join(f"{v:.0f}" for v in values) + " W"
 
 
-def fit_inverse(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
-    """Least squares of ``1/R = a + b/f`` (f in MHz); None without a spread of at least 1 %."""
-    xs = [1.0 / f for f, r, _ in points if f > 0 and r > 0]
-    ys = [1.0 / r for f, r, _ in points if f > 0 and r > 0]
+def fit_inverse(points: list[Point]) -> tuple[float, float, float, float] | None:
+    """Least squares of ``1/R = a + b/f`` (f in MHz): ``(a, b, se_b, mean of 1/f)``, ``se_b``
+    the standard error of ``b`` from the scatter about the line or the windows' own noise,
+    whichever is larger; None without a spread of at least 1 %."""
+    use = [(f, r, se) for f, r, _, se in points if f > 0 and r > 0]
+    xs = [1.0 / f for f, _, _ in use]
+    ys = [1.0 / r for _, r, _ in use]
     line = least_squares(xs, ys) if len(xs) >= 2 and max(xs) >= min(xs) * 1.01 else None
     if line is None:
         return None
     mx, my, b = line
+    sxx = sum((x - mx) ** 2 for x in xs)
+    noise = sum((se / r ** 2) ** 2 for _, r, se in use) / len(use)      # var(1/R) of a window
+    if len(use) > 2:
+        a0 = my - b * mx
+        noise = max(noise, sum((y - a0 - b * x) ** 2 for x, y in zip(xs, ys)) / (len(use) - 2))
     b = max(0.0, b)             # more frequency never slows decode: noise, not physics
-    return my - b * mx, b
+    return my - b * mx, b, math.sqrt(noise / sxx), mx
 
 
 def least_squares(xs: list[float], ys: list[float],
@@ -243,7 +269,7 @@ class EfficiencyController:
         self._threads: int | None = None
         self._changed_s = -math.inf
         self._window: _Window | None = None
-        self._points: deque[tuple[float, float, float]] = deque(maxlen=self.config.fit_points)
+        self._points: deque[Point] = deque(maxlen=self.config.fit_points)
         self._r_best = 0.0
         self._bad_mhz = 0.0                     # a ceiling at or under this broke the floor
         self._temps: list[tuple[float, float]] = []
@@ -334,10 +360,14 @@ class EfficiencyController:
         if not o.max_mhz or "freq_ceiling" in self._refused:   # no ceiling to set: PL1 only
             return self._pl1_guard(o, throttled)
         if throttled and o.busy_mhz is not None and o.time_s - self._changed_s >= 1.0:
-            self._thermal_mhz = self._bin_down(min(o.busy_mhz, self._applied_mhz(o)) -
-                                               cfg.step_mhz, o)
+            # under a floor clamp (PROCHOT#) the busy clock is the floor's: never more than
+            # one move's worth under the ceiling in force
+            applied = self._applied_mhz(o)
+            self._thermal_mhz = self._bin_down(max(min(o.busy_mhz, applied) - cfg.step_mhz,
+                                                   applied - cfg.max_move_bins * cfg.step_mhz), o)
             return self._move(o, "the hardware throttled (throttle time or thermal limit bits): "
-                                 "one bin under the busy frequency")
+                                 "one bin under the busy frequency, at most "
+                                 f"{cfg.max_move_bins} under the ceiling")
         if not settled:
             return []
         thermal_note = self._thermal(o)
@@ -356,9 +386,11 @@ class EfficiencyController:
         if o.time_s - self._window.start_s + period + 1e-9 >= cfg.dwell_s:
             point = self._window.point()
             self._points.append(point)
-            self._r_best = max(self._r_best, point[1])
+            _, r, _, se = point
+            # two standard errors: the best of many noisy windows is not the best decode
+            self._r_best = max(self._r_best, r - 2 * se)
             floor = (1 - cfg.delta_percent / 100) * self._r_best
-            if point[1] < floor and "freq_ceiling" in self.active:
+            if r + 2 * se < floor and "freq_ceiling" in self.active:
                 self._bad_mhz = max(self._bad_mhz, self.params["freq_ceiling"]["mhz"])
             self._window = None
             return True
@@ -385,23 +417,27 @@ class EfficiencyController:
         if fit is None:
             if self._energy_mhz is not None or self._probing or self._fitted:
                 return None                   # one probe a decode; a verdict stands
-            f, r, _ = self._points[-1]
+            f, r, _, _ = self._points[-1]
             self._probing = True
             self._energy_mhz = self._bin_down(f - cfg.probe_bins * cfg.step_mhz, o)
             return (f"probe: {self._energy_mhz:.0f} MHz, {cfg.probe_bins} bins under the busy "
                     f"{f:.0f} MHz at {r:.2f} tok/s, to learn how decode answers frequency")
         self._probing = False
         self._fitted = True
-        a, b = fit
-        denom = 1.0 / ((1 - delta) * self._r_best) - a
+        a, b, se_b, mx = fit
+        # the slope two standard errors steeper, turned about the points' centre: a ceiling
+        # only as low as the evidence carries when tokens/s is noisy (exact data: the fit)
+        b_hi = b + 2 * se_b
+        a_hi = a - 2 * se_b * mx
+        denom = 1.0 / ((1 - delta) * self._r_best) - a_hi
         if denom <= 0:
             want = top                        # the floor needs more than the top can give
         else:
-            want = b / denom                  # 0 when decode ignores frequency entirely
+            want = b_hi / denom               # 0 when decode ignores frequency entirely
         want = min(top, max(want, self._bad_mhz + cfg.step_mhz))
         want = math.ceil(want / cfg.step_mhz - 1e-9) * cfg.step_mhz
         want = max(o.min_mhz or cfg.step_mhz, min(top, want))
-        reach = max(f for f, _, _ in self._points)
+        reach = max(f for f, *_ in self._points)
         current = self._energy_mhz if self._energy_mhz is not None else top
         if want >= reach - cfg.step_mhz / 2 or \
                 (self._energy_mhz is None and want > reach - cfg.probe_bins * cfg.step_mhz):
@@ -503,7 +539,7 @@ class EfficiencyController:
         now = o.pkg_power_w - base_p
         if now <= 0:
             return t_ss
-        pts = [(f, w) for f, _, w in self._points if w > 0]
+        pts = [(f, w) for f, _, w, _ in self._points if w > 0]
         fs = [f for f, _ in pts]
         line = least_squares(fs, [w for _, w in pts]) \
             if fs and max(fs) - min(fs) >= self.config.step_mhz * 0.9 else None

@@ -59,6 +59,8 @@ thermal, bit 10 PL1, bit 11 PL2.
 Energy is the integral of ``P``; tokens the integral of tok/s. Explicit Euler at ``substep_s``
 (0.1 s, under the smallest die time constant in the ensemble); observables are averages over
 each ``step``. Where a machine shows no sensor (``sensors = False``, a VM) the sample says None.
+What software sees may carry sensor noise (``tokens_noise``, ``power_noise``: relative, Gaussian,
+per sample) and a temperature resolution (``temp_step_c``); the figures use the truth.
 
 The calibrated default (`XEON`) is the published sustained-inference case on a 32-core server
 Xeon (3.8 GHz at first, about 2.4 GHz after roughly 120 s) with the thermal network fitted to it:
@@ -68,7 +70,9 @@ core at 3.8 GHz; a 7B-class bf16 model (15.2 GB per token) on 250 GB/s, knee 2.6
 
 from __future__ import annotations
 
+import math
 import os
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +133,11 @@ class PlantParams:
     gb_per_token: float = 15.2
     knee_ghz: float = 2.6
     overlap_p: float = 1.0                  # 1 soft (times add) .. >= 50 hard roofline
+    # what the sensors add (observed only; the figures use the truth)
+    tokens_noise: float = 0.0               # relative sigma of one tokens/s sample
+    power_noise: float = 0.0                # relative sigma of one package-power sample
+    temp_step_c: float = 0.0                # sensor resolution (coretemp: 1 °C); 0 = exact
+    noise_seed: int = 0
     # integration
     substep_s: float = 0.1
 
@@ -201,6 +210,7 @@ class Plant:
         self.reasons = 0
         self.online = params.cores
         self.last: dict[str, Any] = {}
+        self._noise = random.Random(params.noise_seed)
         self._written: dict[str, dict[str, str]] = {}   # fake root -> what was written there
 
     # -- model -------------------------------------------------------------------------------
@@ -363,15 +373,20 @@ class Plant:
         """What software on this machine can see of the last step (None where it cannot)."""
         s, p = self.last, self.params
         intel = p.vendor == "intel"
+        temp = s["pkg_temp_c"]
+        if p.temp_step_c > 0:
+            temp = math.floor(temp / p.temp_step_c) * p.temp_step_c
+        power = s["pkg_power_w"] * (1 + self._noise.gauss(0.0, p.power_noise))
+        tokens = s["tokens_per_s"] * (1 + self._noise.gauss(0.0, p.tokens_noise))
         return {
             "time_s": s["time_s"],
-            "pkg_temp_c": s["pkg_temp_c"] if p.sensors else None,
+            "pkg_temp_c": temp if p.sensors else None,
             "busy_mhz": s["busy_mhz"],
-            "pkg_power_w": s["pkg_power_w"] if p.sensors else None,
+            "pkg_power_w": power if p.sensors else None,
             "throttle_count": s["throttle_count"] if p.sensors and intel else None,
             "throttle_ms": s["throttle_ms"] if p.sensors and intel else None,
             "limit_reasons": s["limit_reasons"] if p.sensors and intel else None,
-            "tokens_per_s": s["tokens_per_s"],
+            "tokens_per_s": tokens,
             "threads": s["threads"],
             "online_cpus": self.online,
             "limit_temp_c": p.t_limit_c if p.sensors else None,

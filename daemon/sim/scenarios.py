@@ -31,6 +31,11 @@ studies; ``overlap_p`` solved from both, 1..49, so
 elasticity is capped by what a knee allows); heat capacities ×0.3–3 (log-uniform), heat-sink
 resistance ×0.7–1.4; V–f slope 0.10–0.20 V/GHz; leakage 0.5–2 %/°C; inlet 20–35 °C; a third of
 the plants get an inlet step of +3–10 °C at 150–400 s.
+
+Sensors are exact unless ``real_sensors`` (`with_real_sensors`): each sample of the engine's
+tokens/s then carries 0–3 % noise (one interval's rate: sampling, prompt lengths), package power
+0–2 %, and the temperature reads in whole degrees (coretemp, x86_pkg_temp) or 0.125 °C (AMD's
+k10temp); drawn from their own seed, so the plants' physics stay the same.
 """
 
 from __future__ import annotations
@@ -140,10 +145,20 @@ def _overlap_for(elasticity: float, knee_ghz: float, f_ghz: float) -> float:
 ELASTICITY = (0.05, 0.5)
 
 
-def ensemble(n: int, seed: int = 0,
-             elasticity: tuple[float, float] = ELASTICITY) -> list[Scenario]:
+def with_real_sensors(scenario: Scenario, seed: int = 0) -> Scenario:
+    """``scenario`` seen through sensors like a real machine's (module docstring)."""
+    rng = random.Random(f"{seed}-{scenario.name}-sensors")
+    p = scenario.params
+    return replace(scenario, params=replace(
+        p, tokens_noise=rng.uniform(0.0, 0.03), power_noise=rng.uniform(0.0, 0.02),
+        temp_step_c=1.0 if p.vendor == "intel" else 0.125, noise_seed=rng.randrange(1 << 30)))
+
+
+def ensemble(n: int, seed: int = 0, elasticity: tuple[float, float] = ELASTICITY,
+             real_sensors: bool = False) -> list[Scenario]:
     """``n`` plants drawn from the module docstring's ranges, reproducible from ``seed``;
-    ``elasticity`` narrows the range of decode elasticity at turbo (what-if studies)."""
+    ``elasticity`` narrows the range of decode elasticity at turbo (what-if studies),
+    ``real_sensors`` adds the sensors' noise and resolution."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -163,7 +178,8 @@ def ensemble(n: int, seed: int = 0,
         schedule = None
         if rng.random() < 1 / 3:
             schedule = _inlet_step(rng.uniform(150.0, 400.0), rng.uniform(3.0, 10.0))
-        out.append(Scenario(params.name, params, schedule,
+        scenario = Scenario(params.name, params, schedule,
                             description=f"knee {knee:.2f} GHz, p {params.overlap_p:.1f}, "
-                                        f"{params.throttle}"))
+                                        f"{params.throttle}")
+        out.append(with_real_sensors(scenario, seed) if real_sensors else scenario)
     return out
