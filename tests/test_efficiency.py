@@ -222,12 +222,23 @@ def test_simulate_json_for_the_ensemble() -> None:
         assert isinstance(got["summary"][key], float)
 
 
+def test_simulate_through_real_sensors_is_seeded() -> None:
+    runs = [json.loads(simulate("--plant", "memory-knee", "--sensors", "real", "--seed", seed,
+                                "--seconds", "300", "--json").stdout) for seed in ("1", "1", "2")]
+    exact = json.loads(simulate("--plant", "memory-knee", "--seconds", "300", "--json").stdout)
+    assert runs[0] == runs[1]                                # the same seed, the same noise
+    assert runs[0]["joules_per_token"] != runs[2]["joules_per_token"]
+    assert runs[0]["joules_per_token"] != exact["joules_per_token"]
+
+
 @pytest.mark.parametrize("args, why", [
     (["--plant", "nope"], "unknown; known: step-tcc"),
     (["--policy", "ceiling:abc"], "the ceiling is in MHz"),
     (["--policy", "fastest"], "unknown policy"),
     (["--ensemble", "0"], "N from 1"),
     (["--delta", "90"], "outside"),
+    (["--sensors", "real", "--fake-root", "/tmp"], "behind --fake-root the files are exact"),
+    (["--sensors", "fuzzy"], "invalid choice"),
 ])
 def test_bad_simulate_arguments_are_clear(args: list[str], why: str) -> None:
     out = simulate(*args)

@@ -22,7 +22,7 @@ from dsr1d.sim.ladder import Controller
 from dsr1d.sim.plant import Plant, PlantParams, apply_controls, read_controls
 from dsr1d.sim.run import (ActionMapper, compare, figures, ladder_sample, policy, run,
                            summary)
-from dsr1d.sim.scenarios import FLOOR_PROCHOT, Scenario, ensemble, plants
+from dsr1d.sim.scenarios import FLOOR_PROCHOT, Scenario, ensemble, plants, with_real_sensors
 
 XEON_SUSTAINED = FLOOR_PROCHOT
 
@@ -88,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--ensemble", type=int, metavar="N",
                     help="run stock, dsr1d and the oracle on N plants; print their ratios")
     ap.add_argument("--seed", type=int, default=0, help="ensemble and bursty-load seed (0)")
+    ap.add_argument("--sensors", choices=("exact", "real"), default="exact",
+                    help="what software sees: exact readings, or a real machine's noise and "
+                         "resolution (tokens/s 0-3 %%, power 0-2 %%, whole degrees) (exact)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--seconds", type=float, default=600.0, help="simulated seconds (600)")
     ap.add_argument("--dt", type=float, default=1.0, help="sample period in seconds (1)")
@@ -116,6 +119,9 @@ def simulate_main(argv: list[str] | None = None) -> int:
         ap.error("--realtime needs --fake-root")
     if args.fake_root is not None and (args.mitigate or args.policy):
         ap.error("with --fake-root the daemon mitigates (through the files); drop --policy")
+    if args.fake_root is not None and args.sensors == "real":
+        ap.error("--sensors real is what the simulated policies see; behind --fake-root the "
+                 "files are exact")
     if args.ensemble is not None and not 1 <= args.ensemble <= 10000:
         ap.error("--ensemble N: N from 1 to 10000")
     named = plants(args.seed)
@@ -128,7 +134,8 @@ def simulate_main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             ap.error(f"--delta: {exc}")
     if args.ensemble is not None:
-        results = [compare(sc, args.seconds, config) for sc in ensemble(args.ensemble, args.seed)]
+        drawn = ensemble(args.ensemble, args.seed, real_sensors=args.sensors == "real")
+        results = [compare(sc, args.seconds, config) for sc in drawn]
         return _print_ensemble(results, summary(results), args.json)
     spec = args.policy or ("stock" if args.mitigate is False or args.fake_root else "dsr1d")
     if args.mitigate is False and args.policy not in (None, "stock"):
@@ -138,6 +145,8 @@ def simulate_main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         ap.error(f"--policy: {exc}")
     scenario = named[args.plant]
+    if args.sensors == "real":
+        scenario = with_real_sensors(scenario, args.seed)
     if args.fake_root is not None:
         rows = _behind_fake_root(scenario, args.fake_root, args.seconds, args.dt, args.realtime)
     else:
