@@ -138,11 +138,11 @@ def daemon_reaction(samples: int, interval: float) -> list[float]:
         conf.write_text(f"[daemon]\ndefault_profile = react\ntelemetry_interval_s = {interval}\n")
         env = bus.env({**os.environ, "DSR1D_PLUGINS": "plant_tokens",
                        "PYTHONPATH": str(REPO / "tests")})
-        with PlantDriver(root, MEMORY_KNEE) as driver:
+        with PlantDriver(root, MEMORY_KNEE) as driver, \
+                open(os.environ.get("DSR1D_BENCH_LOG", os.devnull), "wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "dsr1d.edges.admin", "run", "--root", str(root),
-                 "--config", str(conf), "--bus-address", bus.address],
-                env=env, stderr=open(os.environ.get("DSR1D_BENCH_LOG", os.devnull), "wb"))
+                 "--config", str(conf), "--bus-address", bus.address], env=env, stderr=log)
             try:
                 time.sleep(8)   # start-up, then steady_s of decode
                 for _ in range(samples):

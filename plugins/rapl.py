@@ -7,10 +7,11 @@ delta over the time between two reads. Since CVE-2020-8694 (PLATYPUS) ``energy_u
 readable by root only.
 
 Keys: ``rapl_<domain>_w`` (``rapl_package_0_w``, ``rapl_package_0_dram_w``, ``rapl_psys_w``),
-``pkg_power_w`` (the packages summed), ``ram_power_w`` (the ``dram`` domains summed) and ``pl1_w`` (package 0's ``constraint_0_power_limit_uw``
-as the hardware reads it back, where there is one); with two or more packages also
-``pkg_power_packages_w`` and ``pl1_packages_w`` (lists, in zone order), for per-socket caps. The first read only primes the counters; a
-counter that goes backwards (anything but a wrap) makes that domain unavailable for that
+``pkg_power_w`` (the packages summed), ``ram_power_w`` (the ``dram`` domains summed, none when
+one is unreadable) and ``pl1_w`` (package 0's ``constraint_0_power_limit_uw`` as the hardware
+reads it back, where there is one); with two or more packages also ``pkg_power_packages_w`` and
+``pl1_packages_w`` (lists, in zone order), for per-socket caps. The first read only primes the
+counters; a counter that goes backwards (anything but a wrap) makes that domain unavailable for that
 interval; a wrap is told from a reset by its size (a real wrap moves less than half the
 range in one interval).
 """

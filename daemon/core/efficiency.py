@@ -33,7 +33,8 @@ the standard error of its mean (``se``); the best tokens/s is the best ``R - 2 s
 many noisy windows is not the best decode), a window breaks the floor only when ``R + 2 se`` is
 under it, and ``f_energy`` uses the slope two standard errors steeper (``se_b``: from the
 scatter about the line or the windows' own noise, the larger), turned about the points' centre.
-So a ceiling goes only as low as the evidence carries; with exact readings nothing changes.
+So a ceiling goes only as low as the evidence carries; with exact readings only the scatter of
+the decode curve about ``1/R = a + b/f`` widens it (a point or two of J/token on a sharp knee).
 
 Thermal guard
 -------------
@@ -367,7 +368,7 @@ class EfficiencyController:
                                                    applied - cfg.max_move_bins * cfg.step_mhz), o)
             return self._move(o, "the hardware throttled (throttle time or thermal limit bits): "
                                  "one bin under the busy frequency, at most "
-                                 f"{cfg.max_move_bins} under the ceiling")
+                                 f"{cfg.max_move_bins} bins under the ceiling")
         if not settled:
             return []
         thermal_note = self._thermal(o)

@@ -26,9 +26,9 @@ Named plants (the XEON calibration of `dsr1d.sim.plant` unless said otherwise):
 
 Ensemble ranges (uniform unless said otherwise; the ranges of MITIGATION-NOTES.md):
 throttle model TCC (80 %) or floor (20 %); TCC step 0.1 or 0.2 GHz, hysteresis 0.5–2 °C; knee
-1–3 GHz and the decode elasticity at turbo 0.05–0.5 (``ensemble(elasticity=…)`` narrows it for what-if
-studies; ``overlap_p`` solved from both, 1..49, so
-elasticity is capped by what a knee allows); heat capacities ×0.3–3 (log-uniform), heat-sink
+1–3 GHz and the decode elasticity at turbo 0.05–0.5 (``ensemble(elasticity=…)`` narrows it
+for what-if studies; ``overlap_p`` solved from both, 1..49, so elasticity is capped by what a
+knee allows); heat capacities ×0.3–3 (log-uniform), heat-sink
 resistance ×0.7–1.4; V–f slope 0.10–0.20 V/GHz; leakage 0.5–2 %/°C; inlet 20–35 °C; a third of
 the plants get an inlet step of +3–10 °C at 150–400 s.
 
