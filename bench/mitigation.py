@@ -119,8 +119,7 @@ def daemon_reaction(samples: int, interval: float) -> list[float]:
     real time by the memory-bound plant (never hot on its own); the profile's energy windows are
     ten minutes long, so throttle evidence is the only thing that moves the ceiling."""
     sys.path.insert(0, str(REPO / "tests"))
-    from fakeroot import intel_box
-    from harness.plant_driver import PlantDriver
+    from harness.plant_driver import PlantDriver, plant_root
     from harness.privbus import PrivateBus
 
     from dsr1d.sim.scenarios import MEMORY_KNEE
@@ -128,12 +127,7 @@ def daemon_reaction(samples: int, interval: float) -> list[float]:
     out: list[float] = []
     with tempfile.TemporaryDirectory() as tmp, \
             PrivateBus([REPO / "etc/dbus-1/system.d/org.dsr1d.conf"]) as bus:
-        fake = intel_box(Path(tmp) / "root", cpus=4)
-        for cpu in range(4):
-            fake.add_msr(cpu, 0x1A2, 105 << 16).add_msr(cpu, 0x19C, 0).add_msr(cpu, 0x1B1, 0)
-        root = fake.path
-        (root / "etc/dsr1d/profiles").mkdir(parents=True)
-        (root / "etc/dsr1d/profiles/react.conf").write_text(REACT_PROFILE)
+        root = plant_root(Path(tmp) / "root", {"react": REACT_PROFILE})
         conf = Path(tmp) / "dsr1d.conf"
         conf.write_text(f"[daemon]\ndefault_profile = react\ntelemetry_interval_s = {interval}\n")
         env = bus.env({**os.environ, "DSR1D_PLUGINS": "plant_tokens",
@@ -160,19 +154,17 @@ def daemon_reaction(samples: int, interval: float) -> list[float]:
 
 
 def controller_step_us(seconds: float = 600.0) -> float:
-    """Microseconds the controller takes per sample (pure Python) over a step-tcc run."""
-    from dsr1d.core.efficiency import EfficiencyController, Observation
+    """Microseconds the controller takes per sample (pure Python, building the observation
+    included) over a step-tcc run."""
     from dsr1d.sim.plant import Plant
-    plant, ctl, spent, n = Plant(plants()["step-tcc"].params), EfficiencyController(), 0.0, 0
+    from dsr1d.sim.run import Dsr1d
+    plant, pol, spent = Plant(plants()["step-tcc"].params), Dsr1d(), 0.0
     for _ in range(int(seconds)):
         plant.step(1.0)
-        o = Observation(**plant.observed())
         t = time.perf_counter()
-        for a in ctl.step(o):
-            plant.controls.ceiling_ghz = a.params["mhz"] / 1000 if a.kind == "apply" else None
+        pol.step(plant)
         spent += time.perf_counter() - t
-        n += 1
-    return spent / n * 1e6
+    return spent / int(seconds) * 1e6
 
 
 def _row(name: str, f: dict) -> str:

@@ -130,8 +130,6 @@ class Rapl:
         vanished = False
         package_w: list[float] = []
         package_missing = False
-        dram_w: list[float] = []
-        dram_missing = False
         for d in self.domains:
             path = d.energy
             try:
@@ -144,13 +142,11 @@ class Rapl:
                     vanished = True
                 d.last_uj = d.last_t = None
                 package_missing |= d.package
-                dram_missing |= d.name == "dram"
                 continue
             except ValueError:
                 missing[d.name] = f"{path}: not a number"
                 d.last_uj = d.last_t = None
                 package_missing |= d.package
-                dram_missing |= d.name == "dram"
                 continue
             watts, why = self._power(d, uj, now)
             d.last_uj, d.last_t = uj, now
@@ -158,19 +154,17 @@ class Rapl:
                 if why:
                     missing[d.name] = why
                 package_missing |= d.package
-                dram_missing |= d.name == "dram"
                 continue
             out[d.key] = watts
             if d.package:
                 package_w.append(watts)
-            elif d.name == "dram":
-                dram_w.append(watts)
         if package_w and not package_missing:
             out[PKG_POWER_W] = round(sum(package_w), 3)
         if package_w and not package_missing and len(package_w) > 1:
             out[PKG_POWER_PACKAGES_W] = package_w          # per socket, in zone order
-        if dram_w and not dram_missing:
-            out[RAM_POWER_W] = round(sum(dram_w), 3)
+        dram = [d.key for d in self.domains if d.name == "dram"]
+        if dram and all(k in out for k in dram):
+            out[RAM_POWER_W] = round(sum(out[k] for k in dram), 3)
         limits = []
         for d in self.domains:
             if d.pl1 is None:

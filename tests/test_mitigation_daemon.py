@@ -20,8 +20,7 @@ pytest.register_assert_rewrite("daemon_fixtures")
 from conftest import TESTS, run_dsr1d  # noqa: E402
 from daemon_fixtures import eventually, prop  # noqa: E402
 from dsr1d.sim.scenarios import MEMORY_KNEE, STEP_TCC
-from fakeroot import intel_box
-from harness.plant_driver import PlantDriver
+from harness.plant_driver import PlantDriver, plant_root
 
 pytest_plugins = ["daemon_fixtures"]
 CPUS = 4
@@ -43,12 +42,7 @@ def ceiling_files(root: Path) -> list[Path]:
 
 @pytest.fixture
 def sim_root(tmp_path: Path) -> Path:
-    fake = intel_box(tmp_path / "root", cpus=CPUS)
-    for cpu in range(CPUS):     # TjMax 105 °C, no TCC offset: where the plant's TCC steps in
-        fake.add_msr(cpu, 0x1A2, 105 << 16).add_msr(cpu, 0x19C, 0).add_msr(cpu, 0x1B1, 0)
-    (fake.path / "etc/dsr1d/profiles").mkdir(parents=True)
-    (fake.path / "etc/dsr1d/profiles/fastsim.conf").write_text(PROFILE)
-    return fake.path
+    return plant_root(tmp_path / "root", {"fastsim": PROFILE}, CPUS)
 
 
 @pytest.fixture

@@ -17,6 +17,20 @@ from dsr1d.sim.plant import Plant, PlantParams, apply_controls, read_controls
 TOKENS = "sim/tokens_per_s"
 
 
+def plant_root(path: Path, profiles: dict[str, str], cpus: int = 4) -> Path:
+    """An Intel fake root for the plant (TjMax 105 °C, no TCC offset: where the plant's TCC
+    steps in) with ``profiles`` (name -> text) in its ``/etc/dsr1d/profiles``."""
+    from fakeroot import intel_box          # tests/ is on the path wherever the harness is
+
+    fake = intel_box(path, cpus=cpus)
+    for cpu in range(cpus):
+        fake.add_msr(cpu, 0x1A2, 105 << 16).add_msr(cpu, 0x19C, 0).add_msr(cpu, 0x1B1, 0)
+    (fake.path / "etc/dsr1d/profiles").mkdir(parents=True)
+    for name, text in profiles.items():
+        (fake.path / f"etc/dsr1d/profiles/{name}.conf").write_text(text)
+    return fake.path
+
+
 class PlantDriver:
     """Steps the plant in a thread every ``period_s``: controls from the files, state into them.
 
