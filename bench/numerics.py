@@ -68,10 +68,17 @@ def report(label: str, source: str, r: dict[str, float], positions: int) -> None
           f"KL {r['kl_mean']:.5f} over {positions} positions", flush=True)
 
 
+def _llama(path: Path, context: int) -> "Llama":  # noqa: F821
+    """The same patched llama.cpp through llama-cpp-python, every position's logits kept."""
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(path), n_ctx=context, n_threads=2, logits_all=True,
+                 verbose=False)
+
+
 def main() -> None:
     import torch
 
-    from dsr1d.engine import llama_backend
     from dsr1d.engine.synth import synthesize
 
     parser = argparse.ArgumentParser()
@@ -81,8 +88,9 @@ def main() -> None:
     if not (args.model / "config.json").exists():
         synthesize("1.5b", args.model)
     ggufs = {dtype: ensure_gguf(args.model, dtype) for dtype in DTYPES}
-    first = llama_backend.load(ggufs["int4"], threads=2, context=args.tokens + 64)
-    ids = (first.encode(TEXT) + first.tokenize(" " + TEXT) * 4)[: args.tokens]
+    first = _llama(ggufs["int4"], args.tokens + 64)
+    ids = (first.tokenize(TEXT.encode(), add_bos=True) +
+           first.tokenize((" " + TEXT).encode(), add_bos=False) * 4)[: args.tokens]
     del first
     want = torch_logits(args.model, ids)
     rows = {}
@@ -92,9 +100,10 @@ def main() -> None:
         rows[f"torch-{dtype}"] = compare(want, torch_logits(args.model, ids, dtype))
         report(f"torch-{dtype}", "the torch backend", rows[f"torch-{dtype}"], len(ids))
     for dtype, path in ggufs.items():
-        gen = llama_backend.load(path, threads=2, context=args.tokens + 64)
-        rows[dtype] = compare(want, torch.tensor(gen.logits(ids)))
-        del gen
+        llm = _llama(path, args.tokens + 64)
+        llm.eval(ids)
+        rows[dtype] = compare(want, torch.tensor(llm.scores[:len(ids)]))
+        del llm
         report(dtype, path.name, rows[dtype], len(ids))
     print(json.dumps({"model": str(args.model), "positions": len(ids), "rows": rows}))
 

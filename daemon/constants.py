@@ -9,7 +9,8 @@ ERROR = "org.dsr1d.Error."
 
 # The engine's weight precisions and backends, as config and profiles spell them.
 ENGINE_DTYPES = ("auto", "bf16", "fp32", "int8", "int4")
-ENGINE_BACKENDS = ("auto", "llamacpp", "torch")
+# The engine is llama-server; torch is the numerical reference (dsr1d model check), not a server.
+ENGINE_BACKENDS = ("auto", "llamacpp")
 
 # Telemetry sample keys that one layer writes and another reads (the sources in plugins/, the
 # mitigator, dsr1ctl watch): a key spelt two ways is a column that stays empty.

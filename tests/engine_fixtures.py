@@ -37,14 +37,25 @@ from harness.privbus import PrivateBus  # noqa: E402
 
 ENGINE_PATH, ENGINE = "/org/dsr1d/engine", "org.dsr1d.Engine1"
 TOOLS = ("dbus-daemon", "busctl", "dbus-send", "setpriv")
-ENGINE_READY_TIMEOUT = 60.0   # torch + transformers import and the load, in a fresh process
+ENGINE_READY_TIMEOUT = 60.0   # a conversion, then llama-server's load
 ENGINE_SIGNALS = f"type='signal',sender='{BUS_NAME}',path='{ENGINE_PATH}'"
 JOB_TIMEOUT = 30.0
 
 _RUNNING: list[Daemon] = []
 
 
-# -- the tiny model ------------------------------------------------------------------------------
+# -- the models --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct (a real instruct model, Q4_1 GGUF), fetched once by set-up."""
+    import subprocess
+
+    script = Path(__file__).resolve().parent.parent / "tools" / "smollm2.sh"
+    proc = subprocess.run([str(script)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"tools/smollm2.sh failed: {proc.stderr[-2000:]}"
+    return Path(proc.stdout.strip())
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -165,11 +176,11 @@ def first_token(client: BusClient, job: int | None = None) -> Message:
 
 
 def worker_of(served: EngineDaemon) -> psutil.Process:
-    """The daemon's engine worker process (``python -m dsr1d.engine.worker``)."""
+    """The daemon's engine process (llama-server)."""
     def find() -> psutil.Process | None:
         for child in psutil.Process(served.daemon.pid).children(recursive=True):
             try:
-                if "dsr1d.engine.worker" in child.cmdline():
+                if child.name() == "llama-server":
                     return child
             except psutil.NoSuchProcess:
                 continue
@@ -216,14 +227,13 @@ class EngineDaemon:
         self.daemon.cleanup()
 
 
-def daemon_config(path: Path, model: Path | None, backend: str = "torch",
+def daemon_config(path: Path, model: Path | None, backend: str = "llamacpp",
                   extra: tuple[str, ...] | list[str] = ()) -> Path:
-    """``sustained`` at start; with a model: the torch backend in fp32 (or ``backend``), 2
-    threads, ``throughput`` while generating, conversions cached beside the config."""
+    """``sustained`` at start; with a model: llama-server, 2 threads, ``throughput`` while
+    generating, conversions cached beside the config."""
     lines = ["[daemon]", "default_profile = sustained", "telemetry_interval_s = 1.0"]
     if model is not None:
-        dtype = "fp32" if backend == "torch" else "auto"
-        lines += [f"model = {model}", f"engine_dtype = {dtype}", "engine_threads = 2",
+        lines += [f"model = {model}", "engine_dtype = auto", "engine_threads = 2",
                   "engine_profile = throughput", f"engine_backend = {backend}",
                   f"engine_cache_dir = {path.parent / 'cache'}", *extra]
     path.write_text("\n".join(lines) + "\n")
@@ -238,7 +248,7 @@ def needs_bus() -> None:
 @contextmanager
 def engine_daemon_running(workdir: Path, model: Path | None,
                           policies: tuple[Path, ...] = (POLICY,),
-                          backend: str = "torch",
+                          backend: str = "llamacpp",
                           extra_config: tuple[str, ...] | list[str] = ()) -> Iterator[EngineDaemon]:
     """A daemon on its own private bus, answering on entry (``ActiveProfile`` reads), stopped on
     exit; the engine may still be loading (``wait_state("ready")``). ``model=None``: no engine

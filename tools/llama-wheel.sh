@@ -11,7 +11,8 @@
 # out: R1 reads text only.
 #
 # The source is patched before the build with tools/llama-patches/*.patch (each says what it
-# does; the cache folder carries a hash of them, so a changed patch builds again):
+# does; the cache folder carries a hash of them, so a changed patch builds again; the download and
+# the patching are tools/llama-source.sh, shared with tools/llama-server.sh):
 # - amx-tile-config.patch: llama.cpp's AMX int8 kernels (Q4_0/Q8_0/K-quant weights on CPUs with
 #   amx_int8, Sapphire Rapids and later) crashed with SIGSEGV on the first batch of two or more
 #   tokens (llama.cpp #20824): GCC 12 at -O3 drops the tile configuration's stores before
@@ -28,10 +29,16 @@
 #   AMX-BF16 tiles, each thread streaming one run of weights with a software prefetch: a one-row
 #   step of the 1.5B 140 -> 100 ms, a 128-token prompt (AMX-BF16) 2.3 -> 0.7 s.
 # - build-marker.patch: llama_dsr1d_patches() names the patches, so dsr1d tells its own build.
+# - kv-fresh-zero.patch: CPU buffers of 2 MiB or more are anonymous mappings, cleared to zero by
+#   giving their pages back, so a KV cache takes memory as it fills instead of all of it at load
+#   (llama-server, 16k context and 4 slots of SmolLM2-135M: 528 -> 171 MB resident after load).
 # - lazy-embeddings.patch: the R1 distills' embedding table (qwen2, llama) stays in the file and
 #   is read row by row when the caller sets lazy_mode ON, as dsr1d's worker does; a decoded token
 #   reads one row of it, so loading all of it (237 MiB for the 1.5B in Q8_0, 0.5 GiB for the
 #   8B) only cost memory. Callers that keep llama.cpp's default (AUTO) load it as before.
+# - plain-message-text.patch: llama-server's chat endpoints tokenize the messages' text with special
+#   tokens not parsed (only the template's markup is), so text cannot forge chat turns; and the
+#   tokenizer's special-token split is linear in the matches instead of quadratic.
 # - q8-signed-vnni.patch: Q8_0 weights packed without the 64 bytes per 544 llama.cpp stored for
 #   its VNNI kernel's compensation (11 % fewer bytes to read; the same integer sums, the same
 #   logits): a 2-row step of the 1.5B 59.0 -> 54.6 ms, a 128-token prompt 1.01 -> 0.60 s.
@@ -46,24 +53,10 @@
 # fix it needs to run on an AMX CPU, for its "stock" rows)
 set -euo pipefail
 PYTHON=${1:-python3}
-VERSION=${LLAMA_CPP_PYTHON:-0.3.36}
-CACHE=${DSR1D_WHEEL_CACHE:-/var/cache/dsr1d-build}
-cpu_flags=$(grep -m1 '^flags' "${DSR1D_CPUINFO:-/proc/cpuinfo}" | tr ' ' '\n')
-flags=$(grep -xE 'avx|avx2|fma|f16c|avx_vnni|avx512f|avx512bw|avx512vl|avx512dq|avx512_vnni|avx512_bf16|avx512vbmi|amx_tile|amx_int8|amx_bf16' \
-    <<<"$cpu_flags" | sort | paste -sd+ - || true)
 arch="-DGGML_NATIVE=ON"
 pytag=$("$PYTHON" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-if [ -n "${DSR1D_LLAMA_PATCHES+x}" ]; then
-    patches=()
-    for name in $DSR1D_LLAMA_PATCHES; do
-        patches+=("$(dirname "$0")/llama-patches/$name.patch")
-        [ -f "${patches[-1]}" ] || { echo "llama-wheel.sh: no patch $name in tools/llama-patches/" >&2; exit 2; }
-    done
-else
-    patches=("$(dirname "$0")"/llama-patches/*.patch)
-fi
-names=$(for p in "${patches[@]}"; do basename "$p" .patch; done | paste -sd' ' -)
-patched=$( (echo "$names"; for p in "${patches[@]}"; do cat "$p"; done) | sha256sum | cut -c1-8)
+# VERSION, CACHE, flags, patches, names, patched; llama_source (shared with tools/llama-server.sh)
+. "$(dirname "$0")/llama-source.sh"
 dir="$CACHE/llama-cpp-python-$VERSION-$(uname -m)-$pytag-${flags:-generic}-p$patched"
 if [ -n "${DSR1D_WHEEL_DRY_RUN:-}" ]; then
     printf '%s\n%s\n' "$dir" "$arch"
@@ -74,13 +67,7 @@ if ! ls "$dir"/llama_cpp_python-"$VERSION"-*.whl >/dev/null 2>&1; then
     mkdir -p "$CACHE"
     tmp=$(mktemp -d "$CACHE/.build.XXXXXX")
     trap 'rm -rf "$tmp"' EXIT
-    "$PYTHON" -m pip download -q --no-deps --no-binary llama-cpp-python \
-        "llama-cpp-python==$VERSION" -d "$tmp/src" >&2
-    tar -xzf "$tmp/src/llama_cpp_python-$VERSION.tar.gz" -C "$tmp/src"
-    for p in "${patches[@]}"; do
-        patch -s -p1 -d "$tmp/src/llama_cpp_python-$VERSION" <"$p" >&2
-    done
-    sed -i "s/@DSR1D_PATCHES@/$names/" "$tmp/src/llama_cpp_python-$VERSION/vendor/llama.cpp/src/llama.cpp"
+    llama_source "$PYTHON" "$tmp/src"
     CMAKE_ARGS="$arch -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
     CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
         "$PYTHON" -m pip wheel -q --no-deps --no-cache-dir "$tmp/src/llama_cpp_python-$VERSION" \

@@ -265,24 +265,27 @@ def _generation_options(args: argparse.Namespace) -> dict[str, Variant]:
 
 
 class _Printer:
-    """Prints streamed pieces as they arrive: reasoning dimmed (or marked), then the answer."""
+    """Prints streamed pieces as they arrive: reasoning dimmed (or marked), then the answer.
+
+    The daemon sends a model's reasoning between two pieces that are exactly ``<think>`` and
+    ``</think>`` (the engine's own split, see ``engine_host``); everything else is answer."""
 
     def __init__(self, tty: bool, show_reasoning: bool) -> None:
-        from dsr1d.textstream import ThinkSplitter
-
-        self.splitter = ThinkSplitter()
         self.tty = tty
         self.show_reasoning = show_reasoning
         self.kind = ""
+        self.in_reasoning = False
 
     def feed(self, text: str, final: bool = False) -> None:
-        pieces = self.splitter.feed(text) + (self.splitter.finish() if final else [])
-        for kind, piece in pieces:
-            if kind == "reasoning" and not self.show_reasoning:
-                continue
-            if kind != self.kind:
-                self._switch(kind)
-            sys.stdout.write(piece)
+        if text in ("<think>", "</think>"):
+            self.in_reasoning = text == "<think>"
+            return
+        kind = "reasoning" if self.in_reasoning else "answer"
+        if not text or (kind == "reasoning" and not self.show_reasoning):
+            return
+        if kind != self.kind:
+            self._switch(kind)
+        sys.stdout.write(text)
         sys.stdout.flush()
 
     def _switch(self, kind: str) -> None:

@@ -6,7 +6,7 @@ defaults; a broken one stops the daemon before it touches anything.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsr1d.constants import ENGINE_BACKENDS, ENGINE_DTYPES
@@ -58,8 +58,16 @@ DAEMON_SCHEMA: Schema = {
     "profiles_dir": option(_absolute, "user profiles (default <root>/etc/dsr1d/profiles)", "path"),
     "model": option(_absolute, "the model the engine serves: a .gguf file or a local Hugging "
                     "Face directory (unset: no engine)", "path"),
-    "engine_backend": option(choice(*ENGINE_BACKENDS), "auto (llama.cpp where installed), llamacpp or "
-                             "torch", "name"),
+    "engine_backend": option(choice(*ENGINE_BACKENDS), "auto or llamacpp: llama-server built "
+                             "from dsr1d's llama.cpp (torch is the numerical reference only)",
+                             "name"),
+    "engine_server": option(_absolute, "the llama-server binary (default: the one set-up "
+                            "built, next to dsr1d's Python, or /usr/lib/dsr1d/bin)", "path"),
+    "engine_embeddings": option(boolean, "serve a dedicated embedding model: /v1/embeddings "
+                                "answers, generation does not (llama-server's --embeddings)",
+                                "bool"),
+    "aliases": option(word_list, "more names requests may give as \"model\" (the file's "
+                      "stem always works)", "names"),
     "engine_cache_dir": option(_absolute, "where Hugging Face directories are converted to GGUF "
                                "for llama.cpp, once", "path"),
     "engine_context": option(integer(0, 1 << 20), "llama.cpp context in tokens (0: the model's, "
@@ -76,8 +84,8 @@ DAEMON_SCHEMA: Schema = {
     "engine_profile": option(_single, "profile held while the engine generates", "name"),
     "engine_parallel": option(integer(1, 64), "llama.cpp: requests decoded together in one "
                               "batch (continuous batching), each with the whole context", "slots"),
-    "engine_ping_timeout_s": option(_positive_float, "an engine worker that answers no health "
-                                    "ping for this long is killed and restarted", "s"),
+    "engine_ping_timeout_s": option(_positive_float, "an engine that answers no health "
+                                    "check for this long is killed and restarted", "s"),
 }
 
 
@@ -131,6 +139,9 @@ class Config:
     engine_profile: str = "sustained"
     engine_parallel: int = 1
     engine_ping_timeout_s: float = 30.0
+    engine_server: str = ""
+    engine_embeddings: bool = False
+    aliases: list[str] = field(default_factory=list)
     api_socket: str | None = None           # None: <root>/run/dsr1d/api.sock
     api_tcp: str = ""
     api_keys_file: str = ""

@@ -52,15 +52,19 @@ def cmd_probe(core: Core, args: argparse.Namespace) -> int:
 
 
 def engine_line(root: SysRoot) -> str:
-    """The engine backends installed here, what the llama.cpp build uses on this CPU, and where
-    a plan would put the decode threads."""
-    from dsr1d.engine import llama_backend
+    """The engine's llama-server and its build, the reference llama.cpp binding, and where a
+    plan would put the decode threads."""
     from dsr1d.core.placement import describe, plan, read_topology
+    from dsr1d.edges.engine_command import find_binary, version
+    from dsr1d.engine import llama_build
 
     placement = describe(plan(read_topology(root), None, 0))
-    if not llama_backend.installed():
-        return f"engine: torch only (llama-cpp-python is not installed)\nplacement: {placement}"
-    return f"engine: {llama_backend.build_info()}\nplacement: {placement}"
+    binary = find_binary()
+    server = f"{binary} ({version(binary)})" if binary else \
+        "llama-server is not installed (make setup builds it)"
+    reference = llama_build.build_info() if llama_build.installed() else \
+        "llama-cpp-python is not installed"
+    return f"engine: {server}\nreference binding: {reference}\nplacement: {placement}"
 
 
 def cmd_list(core: Core, args: argparse.Namespace) -> int:

@@ -8,8 +8,15 @@ Names in node-exporter style, units in the name: ``dsr1d_requests_total{endpoint
 ``dsr1d_package_temperature_celsius``, ``dsr1d_package_power_watts`` and
 ``dsr1d_energy_per_token_joules`` (package power over decode tokens/s, while decoding),
 ``dsr1d_dram_power_watts`` and ``dsr1d_energy_per_token_with_dram_joules`` (package and DRAM
-power over decode tokens/s) where the machine reports DRAM power. Nothing
-of a request's text is ever a label.
+power over decode tokens/s) where the machine reports DRAM power.
+
+Counters: ``dsr1d_tokens_total`` and ``dsr1d_prompt_tokens_total`` (everything the engine
+decoded and read, API and D-Bus alike, from llama-server's own counters),
+``dsr1d_api_prompt_tokens_total`` / ``dsr1d_api_completion_tokens_total`` (the usage of API
+requests), ``dsr1d_energy_joules_total`` (package energy while the engine decodes),
+``dsr1d_engine_restarts_total``; ``dsr1d_engine_state_info{state}`` and ``dsr1d_build_info``.
+llama-server's own series (``llamacpp:…``) follow on the API's ``/metrics``. Nothing of a
+request's text is ever a label.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, \
     write_to_textfile
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from dsr1d.constants import PKG_POWER_W, PKG_TEMP_C, RAM_POWER_W
@@ -72,6 +79,26 @@ class _Live:
                 # decode streams every weight from DRAM once a token: its share is real energy
                 yield _gauge("dsr1d_energy_per_token_with_dram_joules", "package and DRAM "
                              "energy per decoded token", (float(sample[PKG_POWER_W]) + dram) / rate)
+        yield from _engine_families(s)
+
+
+def _engine_families(s: dict[str, Any]) -> Iterator[Any]:
+    """The engine's counters, state and build, read at scrape time."""
+    yield CounterMetricFamily("dsr1d_tokens", "tokens the engine generated",
+                              value=float(s.get("tokens_total", 0)))
+    yield CounterMetricFamily("dsr1d_prompt_tokens", "prompt tokens the engine read",
+                              value=float(s.get("prompt_tokens_total", 0)))
+    yield CounterMetricFamily("dsr1d_energy_joules", "package energy while the engine decoded",
+                              value=float(s.get("energy_joules_total", 0.0)))
+    yield CounterMetricFamily("dsr1d_engine_restarts", "llama-server (re)starts after the first",
+                              value=float(s.get("engine_restarts", 0)))
+    state = GaugeMetricFamily("dsr1d_engine_state_info", "the engine's state", labels=["state"])
+    state.add_metric([str(s.get("engine_state", "unconfigured"))], 1)
+    yield state
+    build = GaugeMetricFamily("dsr1d_build_info", "dsr1d's version and the engine's build",
+                              labels=["version", "engine_build"])
+    build.add_metric([str(s.get("version", "")), str(s.get("engine_build", ""))], 1)
+    yield build
 
 
 def _gauge(name: str, help: str, value: float) -> GaugeMetricFamily:
@@ -92,6 +119,10 @@ class Metrics:
                                buckets=LATENCY_BUCKETS, registry=self.registry)
         self.between = Histogram("dsr1d_inter_token_seconds", "time between tokens",
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.api_prompt = Counter("dsr1d_api_prompt_tokens", "prompt tokens of API requests",
+                                  registry=self.registry)
+        self.api_completion = Counter("dsr1d_api_completion_tokens", "tokens generated for API "
+                                      "requests", registry=self.registry)
         self.registry.register(_Live(self))
 
     def request(self, endpoint: str, code: str) -> None:
@@ -100,6 +131,11 @@ class Metrics:
 
     def active(self, n: int, slots: int = 1) -> None:
         self.active_requests, self.slots = n, slots
+
+    def usage(self, prompt: int, completion: int) -> None:
+        """One API request's usage, as the engine reported it."""
+        self.api_prompt.inc(max(0, prompt))
+        self.api_completion.inc(max(0, completion))
 
     def first_token(self, seconds: float) -> None:
         self.first.observe(seconds)
@@ -115,4 +151,5 @@ class Metrics:
         write_to_textfile(path, self.registry)
 
 
-ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
+             "/v1/embeddings", "/tokenize", "/detokenize", "/props", "/slots")

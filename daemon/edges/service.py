@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-from dsr1d.constants import BUS_NAME, ENGINE_TOKENS_PER_S
+from dsr1d import __version__
+from dsr1d.constants import BUS_NAME, ENGINE_TOKENS_PER_S, PKG_POWER_W
 from dsr1d.core.config import DEFAULT_PATH, Config, load_config
 from dsr1d.core.context import build_core
 from dsr1d.edges.dbus_api import (POLKIT_ACTIONS, Dispatcher, EngineService, ManagerService,
@@ -58,6 +59,8 @@ class Daemon:
         self.sampler: Sampler | None = None
         self.mitigator: Mitigator | None = None
         self.latest: dict = {}
+        self.energy_j = 0.0
+        self._energy_at: float | None = None
         self.manager: Manager | None = None
         self.engine: EngineHost | None = None
         self._sync_threads: Callable[[], None] = lambda: None
@@ -196,7 +199,9 @@ class Daemon:
                   "cache_dir": Path(config.engine_cache_dir), "context": config.engine_context,
                   "mmap": config.engine_mmap, "cpus": config.engine_cpus,
                   "parallel": config.engine_parallel,
-                  "ping_timeout_s": config.engine_ping_timeout_s}
+                  "ping_timeout_s": config.engine_ping_timeout_s,
+                  "server": config.engine_server, "aliases": tuple(config.aliases),
+                  "embeddings": config.engine_embeddings}
         changed = [k for k, v in wanted.items() if getattr(self.engine, k) != v]
         for key in changed:
             log.info("engine %s %s -> %s: restarting the engine", key,
@@ -205,6 +210,8 @@ class Daemon:
         if changed:
             await self.engine.stop()
             await self.engine.start()
+        else:
+            self.engine.reload()      # a model waiting out its back-off is tried again now
 
     async def _start_api(self, config: Config, manager: Manager,
                          dispatcher: Dispatcher) -> ApiServer | None:
@@ -239,7 +246,13 @@ class Daemon:
                 "mitigations": mitigator.active if mitigator else [],
                 "tokens_per_s": self.latest.get(ENGINE_TOKENS_PER_S, 0.0),
                 "decoding": engine is not None and engine.state == "busy",
-                "sample": self.latest}
+                "sample": self.latest, "version": __version__,
+                "tokens_total": engine.tokens_seen if engine else 0,
+                "prompt_tokens_total": engine.prompt_tokens_seen if engine else 0,
+                "energy_joules_total": self.energy_j,
+                "engine_restarts": engine.restarts if engine else 0,
+                "engine_state": engine.state if engine else "unconfigured",
+                "engine_build": engine.info.get("build", "") if engine else ""}
 
     def telemetry(self) -> dict:
         """GetTelemetry: the latest sample (taken now if the sampler has not run yet)."""
@@ -251,8 +264,19 @@ class Daemon:
         if self.engine is not None:
             sample[ENGINE_TOKENS_PER_S] = self._live_rate()
             sample["engine_state"] = self.engine.state
+            self._add_energy(sample)
         self.latest = sample
         return sample
+
+    def _add_energy(self, sample: dict) -> None:
+        """Package energy while the engine decodes: power times the time since the last
+        sample (nothing where the machine reports no power)."""
+        now = time.monotonic()
+        before, self._energy_at = self._energy_at, now
+        watts = sample.get(PKG_POWER_W)
+        if before is not None and watts is not None and self.engine is not None \
+                and self.engine.state == "busy":
+            self.energy_j += float(watts) * (now - before)
 
     def _live_rate(self) -> float:
         """Tokens per second since the last sample, while the engine decodes (0 when idle: the
@@ -304,7 +328,9 @@ class Daemon:
                           cache_dir=Path(config.engine_cache_dir), context=config.engine_context,
                           mmap=config.engine_mmap, root=config.root,
                           ping_timeout_s=config.engine_ping_timeout_s,
-                          parallel=config.engine_parallel)
+                          parallel=config.engine_parallel, server=config.engine_server,
+                          aliases=tuple(config.aliases),
+                          embeddings=config.engine_embeddings)
         cookie: list[int] = []
 
         def busy(now_busy: bool) -> None:
