@@ -45,6 +45,7 @@ log = logging.getLogger("dsr1d")
 
 PING_TIMEOUT_S = 30.0
 BACKOFF_S = (1, 2, 5, 10, 30, 60)
+STABLE_S = 60.0               # a server that served this long restarts without a grown back-off
 STDERR_TAIL = 20
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 READ_LIMIT = 1 << 22          # one server-sent event (a long piece with its log-probabilities)
@@ -258,33 +259,35 @@ class EngineHost:
         self._wake.set()
 
     async def _supervise(self) -> None:
-        failures = 0
+        """Start the server, and again after each end, waiting a back-off that grows with
+        every start that did not last and falls back once a server has served a while."""
+        step = 0
         while not self._stopping:
             try:
                 await self._run_once()
-                failures = 0 if self._restart_when_idle else failures
                 why = None
             except _LoadFailure as exc:
                 why = str(exc)
-                failures += 1
             if self._stopping:
                 return
             if self._restart_when_idle:                # a new thread count: at once
                 self._restart_when_idle = False
                 continue
-            delay = BACKOFF_S[min(failures if why else self.restarts, len(BACKOFF_S) - 1)]
+            ready_since = self.info.pop("ready_since", None)
+            if ready_since is not None and time.monotonic() - ready_since > STABLE_S:
+                step = 0                               # it served a while: a fresh start
+            delay = BACKOFF_S[min(step, len(BACKOFF_S) - 1)]
+            step += 1
             self.restarts += 1
             if why:
                 self.info["error"] = why
                 log.error("engine cannot start: %s; trying again in %d s", why, delay)
-            self.info["retry_at"] = time.time() + delay
             self._set_state("restarting")
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), delay)
             except asyncio.TimeoutError:
                 pass
-            self.info.pop("retry_at", None)
 
     async def _run_once(self) -> None:
         """Prepare, start, serve until the server ends; _LoadFailure before it was ready."""
@@ -390,6 +393,7 @@ class EngineHost:
         self.info["parallel"] = self.parallel
         self.info["threads"] = self.threads
         self.info["server_pid"] = proc.pid
+        self.info["ready_since"] = time.monotonic()
         log.info("engine ready: %s (%s, %s), %d thread(s)", prepared.name, prepared.file_type,
                  prepared.dtype_reason, self.threads)
         self._set_state("busy" if self.active else "ready")
