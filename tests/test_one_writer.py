@@ -72,3 +72,32 @@ def test_restore_after_a_crash_finds_the_journal_named_in_the_config(
 def test_verify_without_a_journal_says_nothing_is_applied(fake) -> None:
     proc = dsr1d("verify", "--root", str(fake.path))
     assert proc.returncode == 0 and "no profile applied" in proc.stdout
+
+
+def test_the_flags_the_daemon_ran_with_reach_its_journal_from_every_command(
+        start_daemon, fake, tmp_path: Path) -> None:
+    """``dsr1d run --root R --config C`` with ``journal = J`` in C: ``apply`` and ``restore``
+    given the same ``--root R --config C`` use J too — refused while the daemon runs, restoring
+    from J after it was killed — and never R's default journal."""
+    before = knobs(fake)
+    journal = tmp_path / "elsewhere" / "journal.json"
+    config = tmp_path / "custom.conf"
+    config.write_text(f"[daemon]\ndefault_profile = sustained\njournal = {journal}\n")
+    default = fake.path / "run/dsr1d/state.json"
+    flags = ("--root", str(fake.path), "--config", str(config))
+    daemon = start_daemon(config_path=config)
+    assert journal.exists() and not default.exists()
+    applied = knobs(fake)
+    proc = dsr1d("apply", "latency", *flags)
+    assert proc.returncode == EXIT_BUSY, proc.stderr     # the one writer is the daemon
+    assert knobs(fake) == applied and not default.exists()
+    daemon.kill()
+    proc = dsr1d("restore", *flags)
+    assert proc.returncode == 0 and "restored" in proc.stdout, proc.stderr
+    assert knobs(fake) == before and not journal.exists() and not default.exists()
+    # --journal still wins over the config's
+    other = tmp_path / "other.json"
+    assert dsr1d("apply", "latency", *flags, "--journal", str(other)).returncode == 0
+    assert other.exists() and not journal.exists()
+    assert dsr1d("restore", *flags, "--journal", str(other)).returncode == 0
+    assert knobs(fake) == before

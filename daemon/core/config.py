@@ -6,7 +6,7 @@ defaults; a broken one stops the daemon before it touches anything.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dsr1d.constants import ENGINE_BACKENDS, ENGINE_DTYPES
@@ -168,3 +168,15 @@ def load_config(path: Path | None) -> Config:
         raise ProfileError(path, section_line(path, "api"),
                            "[api] tcp needs api_keys_file: no request over TCP goes unchecked")
     return config
+
+
+def with_overrides(config: Config, root: str | None = None, journal: str | None = None,
+                   profiles_dir: str | None = None) -> Config:
+    """The command line over the config file, one rule for every command (``dsr1d run``,
+    ``apply``, ``restore``…): ``--root`` moves the defaults under it, but a ``journal =`` or
+    ``profiles_dir =`` the config sets still wins over those defaults; ``--journal`` and
+    ``--profiles-dir`` win over both. So a restore after a crash, given the flags the daemon
+    ran with, finds the daemon's journal."""
+    given = {"root": root, "journal": journal, "profiles_dir": profiles_dir}
+    return replace(config, **{k: v for k, v in given.items() if v is not None})
+

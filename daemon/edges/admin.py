@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 from dsr1d import __version__
 from dsr1d.contract.sysroot import KnobError, SysRoot
 from dsr1d.core.config import DEFAULT_PATH as DEFAULT_CONFIG
-from dsr1d.core.config import load_config
+from dsr1d.core.config import load_config, with_overrides
 from dsr1d.core.context import Core, build_core
 from dsr1d.core.plugin_manager import PluginError
 from dsr1d.core.profiles import ProfileError, UnknownProfile
@@ -231,10 +231,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def core_paths(args: argparse.Namespace) -> tuple[str, str | None, str | None]:
-    """Root, journal and profile directory: the command line's, else the daemon's config file's
-    (so that ``dsr1d restore`` after a crash — the unit's ExecStopPost — finds the journal the
-    daemon used). A ``--root`` given alone keeps everything under that root."""
-    given = {k: getattr(args, k) for k in ("root", "journal", "profiles_dir") if hasattr(args, k)}
+    """Root, journal and profile directory, resolved as ``dsr1d run`` resolves them
+    (`config.with_overrides`): the same flags reach the same journal, so ``dsr1d restore``
+    after a crash — the unit's ExecStopPost — finds the one the daemon used."""
     path = Path(getattr(args, "config", DEFAULT_CONFIG))
     try:
         config = load_config(path)
@@ -244,10 +243,9 @@ def core_paths(args: argparse.Namespace) -> tuple[str, str | None, str | None]:
         print(f"dsr1d: warning: ignoring the broken {path} ({exc}); using the default paths",
               file=sys.stderr)
         config = load_config(None)
-    if "root" in given:
-        return given["root"], given.get("journal"), given.get("profiles_dir")
-    return (config.root, given.get("journal", config.journal),
-            given.get("profiles_dir", config.profiles_dir))
+    config = with_overrides(config, getattr(args, "root", None), getattr(args, "journal", None),
+                            getattr(args, "profiles_dir", None))
+    return config.root, config.journal, config.profiles_dir
 
 
 def main(argv: list[str] | None = None) -> int:

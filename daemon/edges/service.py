@@ -14,14 +14,13 @@ import logging
 import os
 import signal
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
 
 from dsr1d import __version__
 from dsr1d.constants import BUS_NAME, ENGINE_TOKENS_PER_S, PKG_POWER_W
-from dsr1d.core.config import DEFAULT_PATH, Config, load_config
+from dsr1d.core.config import DEFAULT_PATH, Config, load_config, with_overrides
 from dsr1d.core.context import build_core
 from dsr1d.edges.dbus_api import (POLKIT_ACTIONS, Dispatcher, EngineService, ManagerService,
                                    connect, neighbours, take_name)
@@ -43,8 +42,7 @@ log = logging.getLogger("dsr1d")
 
 
 def _load(path: Path | None, overrides: dict[str, str | None]) -> Config:
-    config = load_config(path)
-    return replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    return with_overrides(load_config(path), **overrides)
 
 
 class Daemon:
