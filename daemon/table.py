@@ -19,3 +19,11 @@ def render(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 def human_size(nbytes: float) -> str:
     """Bytes as GB from 0.1 GB up, as MB below (``12.3 MB``, ``1.5 GB``)."""
     return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
+
+
+def clip(text: str, limit: int = 80) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was: what a caller sent is
+    echoed in replies and logs at a bounded size (a 10 MB profile name is not a 10 MB reply)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text)} characters)"

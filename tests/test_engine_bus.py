@@ -131,6 +131,10 @@ def test_bad_requests_are_invalid_argument(served, root):
     reply = engine(root, "Generate", "sa{sv}", long_prompt, options(max_new_tokens=1))
     assert reply.error_name == ERROR + "InvalidArgument", reply.body
     assert "context" in reply.body[0], reply.body
+    # the same refused by the engine for a Submit: its Finished says why
+    (job,) = root.ok("Submit", "sa{sv}", long_prompt, options(max_new_tokens=1),
+                     interface=ENGINE, path=ENGINE_PATH)
+    assert "context" in finished(root, job)["error"]
     reply = engine(root, "Generate", "s", "hi")
     assert reply.error_name == DBUS_INVALID_ARGS
     reply = engine(root, "Cancel", "t", 987654)

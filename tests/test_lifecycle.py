@@ -50,8 +50,10 @@ def test_ready_status_and_stopping_are_notified(start_daemon, bus):
 def test_runs_without_a_notify_socket(start_daemon, bus, fake):
     daemon = start_daemon(notify=False)  # ready once the bus answers
     assert active(bus) == "sustained"
+    assert (fake.path / "run/dsr1d/api.sock").exists()
     assert daemon.stop() == 0, daemon.log()
     assert not journal(fake).exists()
+    assert not (fake.path / "run/dsr1d/api.sock").exists()   # a clean stop leaves no socket
 
 
 def test_status_follows_the_active_profile(daemon, bus):

@@ -20,6 +20,7 @@ from typing import Any
 from dsr1d.constants import ENGINE_BACKENDS, ENGINE_DTYPES
 from dsr1d.contract.schema import Schema, boolean, choice, integer, option, real, word_list
 from dsr1d.core.efficiency import settings
+from dsr1d.table import clip
 
 SUFFIX = ".conf"
 MAX_FILE_BYTES = 1 << 20
@@ -72,7 +73,8 @@ class UnknownProfile(Exception):
     def __init__(self, name: str, available: list[str]) -> None:
         self.name = name
         self.available = available
-        super().__init__(f"unknown profile {name!r}; available: {', '.join(available) or 'none'}")
+        super().__init__(f"unknown profile {clip(name)!r}; available: "
+                         f"{', '.join(available) or 'none'}")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import grp
 import logging
 import pwd
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -33,10 +34,15 @@ from dsr1d.core.profiles import ProfileError, UnknownProfile
 from dsr1d.core.state import JournalError
 from dsr1d.core.tuning import ApplyFailed, TuningError
 from dsr1d.edges.engine_host import Cancelled, EngineHost, EngineUnavailable, InvalidArgument
+from dsr1d.table import clip
 
 log = logging.getLogger("dsr1d")
 
 INVALID_ARGS = "org.freedesktop.DBus.Error.InvalidArgs"
+PROPERTIES = "org.freedesktop.DBus.Properties"
+MESSAGE_LIMIT = 500           # characters of an error reply
+NAME_LIMIT = 255              # D-Bus names (interfaces, members) are at most 255 bytes
+REFUSAL_LOG_S = 10.0          # a refusal repeated within this is counted, not logged again
 ADMIN_GROUP = "dsr1d"
 # CheckAuthorization's flag AllowUserInteraction: an agent may ask the caller for a password.
 POLKIT_ALLOW_INTERACTION = 1
@@ -85,7 +91,13 @@ class Method:
 
 
 def error_reply(exc: Exception) -> tuple[str, str]:
-    """The D-Bus error name and one-line message for a domain error (one place for all)."""
+    """The D-Bus error name and one-line message for a domain error (one place for all), at
+    most MESSAGE_LIMIT characters: whatever a caller sent that it echoes stays bounded."""
+    name, text = _error_reply(exc)
+    return name, clip(text, MESSAGE_LIMIT)
+
+
+def _error_reply(exc: Exception) -> tuple[str, str]:
     names = {UnknownProfile: "UnknownProfile", ProfileError: "InvalidProfile",
              ApplyFailed: "ApplyFailed", TuningError: "ApplyFailed", KnobError: "ApplyFailed",
              AccessDenied: "AccessDenied", JournalError: "Journal",
@@ -278,6 +290,7 @@ class Dispatcher:
         self.routes: dict[tuple[str, str], dict[str, Method]] = {}
         self.signal_listeners: list[Callable[[Message], None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self._refusals: dict[tuple[str, str], tuple[float, int]] = {}
         bus.add_message_handler(self._handle)
 
     def add(self, path: str, interface: DispatchedInterface) -> None:
@@ -299,6 +312,12 @@ class Dispatcher:
             return None
         if msg.message_type != MessageType.METHOD_CALL:
             return None
+        if msg.interface == PROPERTIES and any(
+                isinstance(arg, str) and len(arg) > NAME_LIMIT for arg in msg.body):
+            # dbus-fast would repeat the whole name back (a 1 MB name, a 1 MB error)
+            longest = max(len(a) for a in msg.body if isinstance(a, str))
+            return Message.new_error(msg, INVALID_ARGS, f"a D-Bus name is at most {NAME_LIMIT} "
+                                     f"bytes; got one of {longest}")
         method = self._find(msg)
         if method is None:
             return None
@@ -309,6 +328,19 @@ class Dispatcher:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return True
+
+    def _refused(self, method: str, sender: str | None, name: str, text: str) -> None:
+        """A refused call, logged once per REFUSAL_LOG_S for each method and error, with the
+        count of those not logged: a client repeating a bad call cannot flood the journal."""
+        now = time.monotonic()
+        key = (method, name)
+        since, count = self._refusals.get(key, (0.0, 0))
+        if now - since < REFUSAL_LOG_S:
+            self._refusals[key] = (since, count + 1)
+            return
+        more = f" ({count} more like it in the last {REFUSAL_LOG_S:.0f} s)" if count else ""
+        log.warning("%s from %s: %s%s", method, sender, text, more)
+        self._refusals[key] = (now, 0)
 
     async def _run(self, method: Method, msg: Message) -> None:
         try:
@@ -327,7 +359,7 @@ class Dispatcher:
             if name == ERROR + "Internal":
                 log.exception("%s failed", method.name)
             elif name != ERROR + "AccessDenied":
-                log.warning("%s from %s: %s", method.name, msg.sender, text)
+                self._refused(method.name, msg.sender, name, text)
             reply = Message.new_error(msg, name, text)
         self.bus.send(reply)
 

@@ -48,6 +48,7 @@ BACKOFF_S = (1, 2, 5, 10, 30, 60)
 STABLE_S = 60.0               # a server that served this long restarts without a grown back-off
 STDERR_TAIL = 20
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+MAX_PROMPT_BYTES = 4 << 20    # an Engine1 prompt, refused by its size before anything reads it
 READ_LIMIT = 1 << 22          # one server-sent event (a long piece with its log-probabilities)
 OPTIONS: dict[str, tuple[type, float | None, float | None]] = {
     "max_new_tokens": (int, 1, 1_000_000),
@@ -524,9 +525,15 @@ class EngineHost:
                      on_job: Callable[[Job], None] | None = None) -> Job:
         """Start a generation of one user turn; pieces and the end reach the listeners.
         ``on_job`` sees the job before its first piece can arrive."""
+        size = len(prompt.encode())
+        if size > MAX_PROMPT_BYTES:
+            raise InvalidArgument(f"the prompt is {size} bytes; at most {MAX_PROMPT_BYTES}")
         self.available()
         clean = validate_options(options)
         job = Job(self._next_job, prompt, clean)
+        # a Submit caller never awaits the result: its error is read here, not left for
+        # asyncio to report as "Future exception was never retrieved"
+        job.done.add_done_callback(lambda done: done.cancelled() or done.exception())
         self._next_job += 1
         self.jobs[job.id] = job
         if on_job is not None:

@@ -8,6 +8,8 @@ OpenAI adapters (``server-common.cpp``) in the llama.cpp tree dsr1d builds.
 
 from __future__ import annotations
 
+from dsr1d.table import clip
+
 # llama-server's sampling and generation fields, shared by chat and raw completions.
 SAMPLING = frozenset({
     "stream", "stream_options", "timings_per_token", "cache_prompt", "return_tokens",
@@ -57,6 +59,6 @@ def unsupported(path: str, body: dict) -> tuple[str, str] | None:
         if key in REFUSED and key not in allowed:
             return key, REFUSED[key]
         if key not in allowed:
-            return key, f"{key!r} is not a parameter of {path} here (nothing is accepted " \
-                        f"and then ignored)"
+            return clip(key), f"{clip(key)!r} is not a parameter of {path} here (nothing is " \
+                              f"accepted and then ignored)"
     return None
