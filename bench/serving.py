@@ -4,7 +4,8 @@ the same source with only the AMX tile fix it needs to run on AMX CPUs).
 
 Same GGUF, same threads, the ``openai`` client, 1, 4 and 8 streams of distinct prompts, 128
 tokens each (``ignore_eos``, greedy), one level at a time and one server at a time (nothing else
-runs while one is timed). Printed per server and level: aggregate tok/s, time to first token
+runs while one is timed); each level ``--rounds`` times (3), dsr1d's API and its server taking
+turns in alternating order, every request a prompt no server has seen; the median round. Printed per server and level: aggregate tok/s, time to first token
 p50/p99, inter-token latency p50/p99; then the ratios the serving targets are about: dsr1d ÷
 its own llama-server (the front's cost), dsr1d ÷ the release's server, 4 streams ÷ 1.
 
@@ -29,7 +30,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 REPO = Path(__file__).resolve().parent.parent
 TOPICS = ["the sea", "a lighthouse", "bread", "winter", "a clock", "rivers", "a library",
@@ -95,8 +96,8 @@ def _pct(values: list[float], q: int) -> float:
 
 @contextmanager
 def dsr1d_daemon(model: Path, threads: int, parallel: int, context: int,
-                 work: Path) -> Iterator[tuple[str, str]]:
-    """The real daemon on a private bus: (its API socket, its llama-server's socket)."""
+                 work: Path) -> Iterator[tuple[str, str, int]]:
+    """The real daemon on a private bus: (its API socket, its llama-server's socket, its pid)."""
     sys.path.insert(0, str(REPO / "tests"))
     from harness.privbus import PrivateBus
 
@@ -117,7 +118,7 @@ def dsr1d_daemon(model: Path, threads: int, parallel: int, context: int,
              "--profiles-dir", str(profiles)], stderr=log)
         try:
             engine = _wait_for_server(proc.pid, api, work / "daemon.log")
-            yield str(api), engine
+            yield str(api), engine, proc.pid
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -180,9 +181,33 @@ def _wait_health(sock: str, timeout: float = 600) -> None:
     raise RuntimeError(f"llama-server on {sock} did not come up")
 
 
-def measure(sock: str, model: str, levels: list[int], tokens: int) -> dict[int, dict]:
-    level(sock, model, 1, 8, 0)          # warm-up: first-request costs are not the steady state
-    return {n: level(sock, model, n, tokens, 3 * n) for n in levels}
+def measure(servers: dict[str, str], model: str, levels: list[int], tokens: int,
+            rounds: int, cpu: Callable[[], float] = lambda: 0.0) -> dict[str, dict[int, dict]]:
+    """Each level ``rounds`` times, the servers taking turns in alternating order, every
+    request a prompt no server has seen (no prompt-cache hits); the median round of each.
+    ``cpu()``: the daemon's CPU seconds so far, summed per server over its rounds."""
+    for sock in servers.values():
+        level(sock, model, 1, 8, 0)      # warm-up: first-request costs are not the steady state
+    samples: dict[str, dict[int, list[dict]]] = {name: {n: [] for n in levels}
+                                                 for name in servers}
+    offset = 1
+    for n in levels:
+        for r in range(rounds):
+            order = list(servers.items())[::1 if r % 2 == 0 else -1]
+            for name, sock in order:
+                before = cpu()
+                figures = level(sock, model, n, tokens, offset)
+                figures["daemon_cpu_s"] = cpu() - before
+                samples[name][n].append(figures)
+                offset += n
+    return {name: {n: _median_round(runs) for n, runs in by_level.items()}
+            for name, by_level in samples.items()}
+
+
+def _median_round(runs: list[dict]) -> dict:
+    ordered = sorted(runs, key=lambda f: f["tok_s"])
+    return {**ordered[len(ordered) // 2], "tok_s_all": [round(f["tok_s"], 1) for f in runs],
+            "daemon_cpu_s": sum(f["daemon_cpu_s"] for f in runs)}
 
 
 def machine() -> str:
@@ -201,6 +226,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=0, help="0: one per physical core")
     parser.add_argument("--context", type=int, default=1024, help="tokens a slot may use")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per level (median)")
     parser.add_argument("--no-release", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
@@ -215,19 +241,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dsr1d-bench-") as tmp:
         work = Path(tmp)
         with dsr1d_daemon(args.model.resolve(), threads, max(levels), args.context,
-                          work) as (api, engine):
-            rows["dsr1d API"] = measure(api, name, levels, args.tokens)
-            rows["its llama-server"] = measure(engine, name, levels, args.tokens)
+                          work) as (api, engine, pid):
+            daemon = psutil.Process(pid)
+            rows.update(measure({"dsr1d API": api, "its llama-server": engine}, name, levels,
+                                args.tokens, args.rounds,
+                                lambda: sum(daemon.cpu_times()[:2])))
         if not args.no_release:
             with release_server(args.model.resolve(), threads, max(levels), args.context,
                                 work) as sock:
-                rows["release llama-server"] = measure(sock, name, levels, args.tokens)
-    print("\n| server | streams | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |\n"
-          "|---|---|---|---|---|")
+                rows.update(measure({"release llama-server": sock}, name, levels, args.tokens,
+                                    args.rounds))
+    print("\n| server | streams | tok/s (median; every round) | TTFT p50 / p99 ms | "
+          "ITL p50 / p99 ms |\n|---|---|---|---|---|")
     for server, by_level in rows.items():
         for n, f in by_level.items():
-            print(f"| {server} | {n} | {f['tok_s']:.1f} | {f['ttft_p50']:.0f} / "
-                  f"{f['ttft_p99']:.0f} | {f['itl_p50']:.1f} / {f['itl_p99']:.1f} |")
+            print(f"| {server} | {n} | {f['tok_s']:.1f} ({', '.join(map(str, f['tok_s_all']))})"
+                  f" | {f['ttft_p50']:.0f} / {f['ttft_p99']:.0f} | {f['itl_p50']:.1f} / "
+                  f"{f['itl_p99']:.1f} |")
     ours = rows["dsr1d API"]
     print()
     for n in levels:
@@ -237,6 +267,10 @@ def main() -> None:
             line += f", dsr1d / release {ours[n]['tok_s'] / rows['release llama-server'][n]['tok_s']:.3f}" \
                     f" (target >= 1.0)"
         print(line)
+    front = sum(f["daemon_cpu_s"] for f in ours.values())
+    direct = sum(f["daemon_cpu_s"] for f in rows["its llama-server"].values())
+    print(f"the daemon's CPU while its API served: {front:.2f} s; while its llama-server was "
+          f"reached directly: {direct:.2f} s (all rounds of all levels)")
     if 1 in ours and 4 in ours:
         print(f"dsr1d 4 streams / 1: {ours[4]['tok_s'] / ours[1]['tok_s']:.2f} (target >= 2.5)")
     if args.json:
