@@ -208,6 +208,7 @@ class EngineHost:
         self._supervisor: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._restart_when_idle = False
+        self._counters_stale = True
         self._stopping = False
         self._stderr: deque[str] = deque(maxlen=STDERR_TAIL)
         self._run_dir: Path | None = None
@@ -223,8 +224,7 @@ class EngineHost:
 
     def model_ids(self) -> list[str]:
         """What requests may call the model: its file's stem, then the configured aliases."""
-        name = str(self.info.get("model") or self.model.stem)
-        return [name] + [a for a in self.aliases if a != name]
+        return self._ids(str(self.info.get("model") or self.model.stem))
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -339,6 +339,7 @@ class EngineHost:
             await stderr
 
     def _ids(self, name: str) -> list[str]:
+        """``name`` first, then the configured aliases."""
         return [name] + [a for a in self.aliases if a != name]
 
     async def _prepare(self) -> messages.Prepared:
@@ -416,7 +417,9 @@ class EngineHost:
                 return
             if await self._healthy():
                 last_ok = time.monotonic()
-                await self._poll_counters()
+                if self.active or self._counters_stale:   # idle: nothing can have moved them
+                    self._counters_stale = bool(self.active)
+                    await self._poll_counters()
             elif time.monotonic() - last_ok > self.ping_timeout_s:
                 log.error("engine: llama-server %d answered no health check for %.0f s; "
                           "killing it", proc.pid, self.ping_timeout_s)
