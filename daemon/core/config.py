@@ -112,6 +112,12 @@ API_SCHEMA: Schema = {
                             "Bearer KEY`, one a line, in a root-only file", "path"),
     "queue": option(integer(0, 4096), "requests that may wait for the engine; more get 429",
                     "count"),
+    "connections": option(integer(8, 65536), "connections the API holds at once, idle or not; "
+                          "more are closed at accept (root on the unix socket has 64 more)",
+                          "count"),
+    "connections_per_client": option(integer(1, 65536), "connections one TCP address or one "
+                                     "local uid may hold (root on the unix socket: no limit)",
+                                     "count"),
     "textfile": option(_path_or_empty, "also write the metrics to this .prom file (atomically, "
                        "every telemetry sample) for node_exporter's textfile collector", "path"),
 }
@@ -146,6 +152,8 @@ class Config:
     api_tcp: str = ""
     api_keys_file: str = ""
     api_queue: int = 16
+    api_connections: int = 512
+    api_connections_per_client: int = 32
     api_textfile: str = ""
 
 

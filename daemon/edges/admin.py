@@ -211,10 +211,12 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("verify", parents=[common, as_json],
                    help="compare every knob with the active profile")
     model = sub.add_parser("model", help="model tools: `dsr1d model synth --preset tiny DIR`, "
-                           "`dsr1d model convert SRC_DIR OUT.gguf --dtype int4`")
+                           "`dsr1d model convert SRC_DIR OUT.gguf --dtype int4`, "
+                           "`dsr1d model check DIR` (llama.cpp against the torch reference)")
     model.add_argument("model_args", nargs=argparse.REMAINDER,
                        help="synth --preset tiny|1.5b|7b [--seed N] [--dtype D] [--gguf DTYPE] "
-                            "[--force] DIR | convert SRC_DIR OUT.gguf [--dtype bf16|int8|int4]")
+                            "[--force] DIR | convert SRC_DIR OUT.gguf [--dtype bf16|int8|int4] | "
+                            "check DIR [--dtype fp32|bf16|int8|int4] [--tokens N] [--json]")
     simulate = sub.add_parser("simulate", help="the thermal plant simulator "
                               "(`dsr1d simulate --help`)")
     simulate.add_argument("sim_args", nargs=argparse.REMAINDER,
@@ -265,8 +267,13 @@ def main(argv: list[str] | None = None) -> int:
             from dsr1d.engine.gguf_convert import convert_main
 
             return convert_main(args.model_args[1:])
+        if tool == ["check"]:
+            from dsr1d.engine.check import check_main
+
+            return check_main(args.model_args[1:])
         print("dsr1d: usage: dsr1d model synth --preset tiny|1.5b|7b DIR | "
-              "dsr1d model convert SRC_DIR OUT.gguf --dtype bf16|int8|int4", file=sys.stderr)
+              "dsr1d model convert SRC_DIR OUT.gguf --dtype bf16|int8|int4 | "
+              "dsr1d model check DIR [--dtype D]", file=sys.stderr)
         return EXIT_USAGE
     if args.command == "run":
         from dsr1d.edges.service import main as run_daemon

@@ -32,6 +32,7 @@ import aiohttp
 from aiohttp import web
 
 from dsr1d.edges import openai_params
+from dsr1d.edges.api_gate import Gate, Limits
 from dsr1d.edges.engine_host import EngineHost, EngineUnavailable
 from dsr1d.edges.metrics import Metrics
 
@@ -40,6 +41,7 @@ log = logging.getLogger("dsr1d")
 MAX_BODY_BYTES = 4 << 20
 MAX_DEPTH = 32            # JSON nesting (a tool's schema is a few levels deep)
 MAX_MESSAGES = 4096
+BACKLOG = 128
 Authorize = Callable[[int, int], Awaitable[bool]]     # (pid, uid) -> may run inference
 OPEN = ("/health",)
 PASSED = tuple(openai_params.ENDPOINT_FIELDS)
@@ -49,14 +51,18 @@ class ApiError(Exception):
     """An error reply: HTTP status, OpenAI error type and code, one line of message."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None) -> None:
+                 code: str | None = None, param: str | None = None, close: bool = False) -> None:
         super().__init__(message)
         self.status, self.type, self.code, self.param = status, type_, code, param
+        self.close = close
 
     def response(self) -> web.Response:
         body = {"error": {"message": str(self), "type": self.type, "param": self.param,
                           "code": self.code}}
-        return web.json_response(body, status=self.status)
+        response = web.json_response(body, status=self.status)
+        if self.close:              # a caller without a key holds nothing after the answer
+            response.force_close()
+        return response
 
 
 def check_text(value: Any, depth: int = 0) -> None:
@@ -104,8 +110,9 @@ class Api:
     """The routes, bound to one engine host (or none), the authoriser and the metrics."""
 
     def __init__(self, engine: EngineHost | None, authorize: Authorize, metrics: Metrics,
-                 keys: set[str] | None = None, queue: int = 16) -> None:
+                 keys: set[str] | None = None, queue: int = 16, gate: Gate | None = None) -> None:
         self.engine = engine
+        self.gate = gate or Gate(Limits())
         self.authorize = authorize
         self.metrics = metrics
         self.keys = [k.encode() for k in keys or ()]
@@ -113,7 +120,8 @@ class Api:
         self.inflight = 0
         self._authorized: dict[tuple[int, int], tuple[bool, float]] = {}
         self.app = web.Application(client_max_size=MAX_BODY_BYTES,
-                                   middlewares=[self._errors, self._access])
+                                   middlewares=[self.gate.middleware, self._errors,
+                                                self._access])
         self.app.add_routes([web.get("/health", self.health), web.get("/v1/models", self.models),
                              web.get("/metrics", self.metrics_text),
                              web.get("/props", self.props), web.get("/slots", self.slots)]
@@ -153,7 +161,7 @@ class Api:
         if isinstance(peer, tuple):                      # TCP: an API key, always
             if not self._key_ok(request.headers.get("Authorization", "")):
                 raise ApiError(401, "a valid API key is needed: Authorization: Bearer KEY",
-                               "authentication_error", "invalid_api_key")
+                               "authentication_error", "invalid_api_key", close=True)
             request["uid"] = None
             return await handler(request)
         pid, uid = _peer_credentials(request)
@@ -213,7 +221,11 @@ class Api:
     # -- passed through ----------------------------------------------------------------------
 
     async def passed(self, request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
+        try:
+            raw = await asyncio.wait_for(request.read(), self.gate.limits.header_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request's body did not arrive within "
+                                f"{self.gate.limits.header_s:.0f} s", close=True) from None
         body = parse_body(raw)
         refused = openai_params.unsupported(request.path, body)
         if refused is not None:
@@ -363,24 +375,29 @@ def read_keys(path: str) -> set[str]:
 
 
 class ApiServer:
-    """The API's sites: the unix socket (and TCP when configured)."""
+    """The API's listeners: the unix socket (and TCP when configured), every connection
+    admitted by the API's gate before aiohttp sees it."""
 
     def __init__(self, api: Api) -> None:
         self.api = api
-        self.runner = web.AppRunner(api.app, handler_cancellation=True, access_log=None)
+        self.runner = web.AppRunner(api.app, handler_cancellation=True, access_log=None,
+                                    keepalive_timeout=api.gate.limits.idle_s)
         self.socket_path: str | None = None
+        self._servers: list[asyncio.AbstractServer] = []
 
     async def start(self, socket_path: str | None, tcp: str = "") -> list[str]:
         """Listen; returns where. An address that cannot be taken is logged, not fatal."""
         await self.runner.setup()
+        loop = asyncio.get_running_loop()
+        protocol = self.api.gate.factory(self.runner.server)   # type: ignore[arg-type]
         where = []
         if socket_path:
             try:
                 Path(socket_path).parent.mkdir(parents=True, exist_ok=True)
                 if os.path.exists(socket_path):
                     os.unlink(socket_path)          # a stale socket of an earlier run
-                site = web.UnixSite(self.runner, socket_path)
-                await site.start()
+                self._servers.append(await loop.create_unix_server(protocol, socket_path,
+                                                                   backlog=BACKLOG))
                 _restrict(socket_path)
                 self.socket_path = socket_path
                 where.append(f"unix:{socket_path}")
@@ -389,14 +406,16 @@ class ApiServer:
         if tcp:
             host, _, port = tcp.rpartition(":")
             try:
-                site = web.TCPSite(self.runner, host.strip("[]"), int(port))
-                await site.start()
+                self._servers.append(await loop.create_server(
+                    protocol, host.strip("[]"), int(port), backlog=BACKLOG, reuse_address=True))
                 where.append(f"tcp:{tcp}")
             except OSError as exc:
                 log.error("API on %s: %s", tcp, exc)
         return where
 
     async def stop(self) -> None:
+        for server in self._servers:
+            server.close()
         await self.runner.cleanup()
         if self.socket_path is not None:
             Path(self.socket_path).unlink(missing_ok=True)

@@ -13,7 +13,6 @@ import grp
 import logging
 import pwd
 import socket
-import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -34,6 +33,7 @@ from dsr1d.core.profiles import ProfileError, UnknownProfile
 from dsr1d.core.state import JournalError
 from dsr1d.core.tuning import ApplyFailed, TuningError
 from dsr1d.edges.engine_host import Cancelled, EngineHost, EngineUnavailable, InvalidArgument
+from dsr1d.edges.ratelog import Tally
 from dsr1d.table import clip
 
 log = logging.getLogger("dsr1d")
@@ -42,7 +42,6 @@ INVALID_ARGS = "org.freedesktop.DBus.Error.InvalidArgs"
 PROPERTIES = "org.freedesktop.DBus.Properties"
 MESSAGE_LIMIT = 500           # characters of an error reply
 NAME_LIMIT = 255              # D-Bus names (interfaces, members) are at most 255 bytes
-REFUSAL_LOG_S = 10.0          # a refusal repeated within this is counted, not logged again
 ADMIN_GROUP = "dsr1d"
 # CheckAuthorization's flag AllowUserInteraction: an agent may ask the caller for a password.
 POLKIT_ALLOW_INTERACTION = 1
@@ -290,7 +289,7 @@ class Dispatcher:
         self.routes: dict[tuple[str, str], dict[str, Method]] = {}
         self.signal_listeners: list[Callable[[Message], None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
-        self._refusals: dict[tuple[str, str], tuple[float, int]] = {}
+        self._refusals = Tally(log)
         bus.add_message_handler(self._handle)
 
     def add(self, path: str, interface: DispatchedInterface) -> None:
@@ -330,17 +329,9 @@ class Dispatcher:
         return True
 
     def _refused(self, method: str, sender: str | None, name: str, text: str) -> None:
-        """A refused call, logged once per REFUSAL_LOG_S for each method and error, with the
+        """A refused call, logged once per interval for each method and error, with the
         count of those not logged: a client repeating a bad call cannot flood the journal."""
-        now = time.monotonic()
-        key = (method, name)
-        since, count = self._refusals.get(key, (0.0, 0))
-        if now - since < REFUSAL_LOG_S:
-            self._refusals[key] = (since, count + 1)
-            return
-        more = f" ({count} more like it in the last {REFUSAL_LOG_S:.0f} s)" if count else ""
-        log.warning("%s from %s: %s%s", method, sender, text, more)
-        self._refusals[key] = (now, 0)
+        self._refusals((method, name), logging.WARNING, "%s from %s: %s", method, sender, text)
 
     async def _run(self, method: Method, msg: Message) -> None:
         try:

@@ -15,8 +15,40 @@ except ImportError:  # pragma: no cover - systemd-python is a dependency; degrad
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 
 
+_sock: socket.socket | None = None
+_spare: list[int] = []
+SPARE_FDS = 16
+
+
+def reserve() -> None:
+    """Open now what the way out needs, so a process out of descriptors can still restore:
+    the notify socket (kept for every later ``notify``), the soft descriptor limit raised to
+    the hard one, and ``SPARE_FDS`` descriptors held until ``release_spares``."""
+    global _sock
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
+    if _sock is None and os.environ.get("NOTIFY_SOCKET"):
+        _sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+    while len(_spare) < SPARE_FDS:
+        _spare.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+
+
+def release_spares() -> None:
+    """Give the reserved descriptors back: the lowest free numbers, so the restore that
+    follows can open the journal and every knob even when the table was full."""
+    while _spare:
+        os.close(_spare.pop())
+
+
 def notify(**fields: str) -> bool:
-    """Send ``READY=1``-style fields to ``$NOTIFY_SOCKET``; False when not under systemd.
+    """Send ``READY=1``-style fields to ``$NOTIFY_SOCKET``; False when not under systemd or
+    when it cannot be sent (never an exception: STOPPING=1 must not stop a restore).
 
     Never blocks: a notify socket nobody reads (a stuck manager, a test) must not stall the
     event loop, so a full queue drops the message (sd_notify itself would wait).
@@ -27,11 +59,14 @@ def notify(**fields: str) -> bool:
     if address.startswith("@"):
         address = "\0" + address[1:]
     data = "\n".join(f"{k}={v}" for k, v in fields.items()).encode()
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-        try:
+    try:
+        if _sock is not None:
+            _sock.sendto(data, socket.MSG_DONTWAIT, address)
+            return True
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
             sock.sendto(data, socket.MSG_DONTWAIT, address)
-        except OSError:
-            return False
+    except OSError:
+        return False
     return True
 
 

@@ -34,7 +34,10 @@ from dsr1d.core.tuning import ApplyFailed, TuningError
 from dsr1d.edges.api import Api, ApiServer, read_keys
 from dsr1d.edges.engine_host import EngineHost
 from dsr1d.edges.metrics import Metrics
-from dsr1d.edges.notify import notify, setup_logging, watchdog_interval_s
+from dsr1d.edges.api_gate import Gate, Limits
+from dsr1d.edges.notify import (notify, release_spares, reserve, setup_logging,
+                                watchdog_interval_s)
+from dsr1d.edges.ratelog import Tally
 
 ENGINE_HOLDER = "dsr1d-engine"  # owner of the engine's hold (not a bus name: never "leaves")
 EXIT_CONFIG = 78  # EX_CONFIG: the unit does not restart on it (RestartPreventExitStatus)
@@ -67,6 +70,8 @@ class Daemon:
         self.metrics: Metrics | None = None
 
     async def run(self) -> int:
+        reserve()
+        _quiet_loop_errors(asyncio.get_running_loop())
         try:
             config = _load(self.config_path, self.overrides)
         except ProfileError as exc:
@@ -123,6 +128,7 @@ class Daemon:
         lost = await self._until_stopped_or_lost(bus)
         sampling.cancel()
         self.sampler.stop()
+        release_spares()          # whatever filled the descriptor table, the restore has room
         notify(STOPPING="1", STATUS="restoring every knob")
         if watchdog:
             watchdog.cancel()
@@ -231,7 +237,9 @@ class Daemon:
             return await dispatcher.auth.process_allowed(pid, uid, POLKIT_ACTIONS["Generate"])
 
         self.metrics = Metrics(status=lambda: self._status(manager))
-        server = ApiServer(Api(self.engine, authorize, self.metrics, keys, config.api_queue))
+        limits = Limits(config.api_connections, config.api_connections_per_client)
+        server = ApiServer(Api(self.engine, authorize, self.metrics, keys, config.api_queue,
+                               Gate(limits.within_descriptors())))
         where = await server.start(path, tcp)
         log.info("OpenAI-compatible API on %s", ", ".join(where) or "nothing (see above)")
         return server
@@ -400,6 +408,19 @@ def engine_setting(config: Config, manager: Manager, key: str) -> str:
         return value
     profile = manager.profiles.get(config.default_profile)
     return profile.sections.get("engine", {}).get(key, "auto") if profile else "auto"
+
+
+def _quiet_loop_errors(loop: asyncio.AbstractEventLoop) -> None:
+    """asyncio's own errors (an accept out of descriptors, retried each second) logged once
+    per interval with a count, never a line each."""
+    tally = Tally(log)
+
+    def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        tally(context.get("message"), logging.ERROR, "%s%s", context.get("message"),
+              f": {type(exc).__name__}: {exc}" if exc else "")
+
+    loop.set_exception_handler(handle)
 
 
 def main(config: str | None, bus_address: str | None, root: str | None, journal: str | None,
