@@ -11,6 +11,7 @@ ERROR = "org.dsr1d.Error."
 ENGINE_DTYPES = ("auto", "bf16", "fp32", "int8", "int4")
 # The engine is llama-server; torch is the numerical reference (dsr1d model check), not a server.
 ENGINE_BACKENDS = ("auto", "llamacpp")
+NGRAM = "ngram"                 # draft_model = ngram: speculation from the text so far
 
 # Telemetry sample keys that one layer writes and another reads (the sources in plugins/, the
 # mitigator, dsr1ctl watch): a key spelt two ways is a column that stays empty.

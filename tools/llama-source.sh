@@ -35,7 +35,9 @@ llama_source() {
         "llama-cpp-python==$VERSION" -d "$dir" >&2
     tar -xzf "$dir/llama_cpp_python-$VERSION.tar.gz" -C "$dir"
     for p in "${patches[@]}"; do
-        patch -s -p1 -d "$dir/llama_cpp_python-$VERSION" <"$p" >&2
+        # --fuzz=0: a patch whose context moved fails here instead of landing in the wrong place
+        patch -s -p1 --fuzz=0 --forward -d "$dir/llama_cpp_python-$VERSION" <"$p" >&2 \
+            || { echo "$(basename "$p"): does not apply to llama-cpp-python $VERSION" >&2; return 1; }
     done
     sed -i "s/@DSR1D_PATCHES@/$names/" "$dir/llama_cpp_python-$VERSION/vendor/llama.cpp/src/llama.cpp"
 }

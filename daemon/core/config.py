@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dsr1d.constants import ENGINE_BACKENDS, ENGINE_DTYPES
+from dsr1d.constants import ENGINE_BACKENDS, ENGINE_DTYPES, NGRAM
 from dsr1d.contract.schema import Schema, boolean, choice, integer, option, word_list
 from dsr1d.contract.sysroot import parse_cpu_list
 from dsr1d.core.profiles import ProfileError, parse_ini, section_line, validate_section
@@ -50,6 +50,10 @@ def _single(raw: str) -> str:
     return words[0]
 
 
+def _draft(raw: str) -> str:
+    return raw if raw in ("", NGRAM) else _absolute(raw)
+
+
 DAEMON_SCHEMA: Schema = {
     "default_profile": option(_single, "profile applied at start", "name"),
     "telemetry_interval_s": option(_positive_float, "seconds between telemetry samples", "s"),
@@ -86,6 +90,13 @@ DAEMON_SCHEMA: Schema = {
                               "batch (continuous batching), each with the whole context", "slots"),
     "engine_ping_timeout_s": option(_positive_float, "an engine that answers no health "
                                     "check for this long is killed and restarted", "s"),
+    "draft_model": option(_draft, "speculative decoding: a smaller model with the same "
+                          "tokenizer (a .gguf file or a Hugging Face directory, e.g. "
+                          "R1-Distill-Qwen-1.5B for the 7B-32B), or `ngram` to draft from the "
+                          "text so far (prompt lookup); unset: off", "path|ngram"),
+    "draft_max": option(integer(0, 64), "tokens drafted per step (0: llama-server's default, "
+                        "3 for a draft model and 48 for n-grams; a profile's [engine] draft_max "
+                        "overrides it)", "tokens"),
 }
 
 
@@ -147,6 +158,8 @@ class Config:
     engine_ping_timeout_s: float = 30.0
     engine_server: str = ""
     engine_embeddings: bool = False
+    draft_model: str = ""
+    draft_max: int = 0
     aliases: list[str] = field(default_factory=list)
     api_socket: str | None = None           # None: <root>/run/dsr1d/api.sock
     api_tcp: str = ""

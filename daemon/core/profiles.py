@@ -36,7 +36,10 @@ ENGINE_SCHEMA: Schema = {
     "dtype": option(choice(*ENGINE_DTYPES),
                     "weight precision (auto = bf16 where the CPU has native bf16)", "name"),
     "backend": option(choice(*ENGINE_BACKENDS),
-                      "auto (llama.cpp where installed), llamacpp or torch", "name"),
+                      "auto or llamacpp (llama-server; torch is the numerical reference)",
+                      "name"),
+    "draft_max": option(integer(0, 64), "tokens drafted per step when the daemon has a "
+                        "draft_model (read when the engine starts)", "tokens"),
 }
 
 

@@ -214,7 +214,8 @@ def parser() -> argparse.ArgumentParser:
                            "`dsr1d model convert SRC_DIR OUT.gguf --dtype int4`, "
                            "`dsr1d model check DIR` (llama.cpp against the torch reference)")
     model.add_argument("model_args", nargs=argparse.REMAINDER,
-                       help="synth --preset tiny|1.5b|7b [--seed N] [--dtype D] [--gguf DTYPE] "
+                       help="synth --preset tiny|1.5b|7b|draft [--seed N] [--dtype D] "
+                            "[--gguf DTYPE] "
                             "[--force] DIR | convert SRC_DIR OUT.gguf [--dtype bf16|int8|int4] | "
                             "check DIR [--dtype fp32|bf16|int8|int4] [--tokens N] [--json]")
     simulate = sub.add_parser("simulate", help="the thermal plant simulator "
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             from dsr1d.engine.check import check_main
 
             return check_main(args.model_args[1:])
-        print("dsr1d: usage: dsr1d model synth --preset tiny|1.5b|7b DIR | "
+        print("dsr1d: usage: dsr1d model synth --preset tiny|1.5b|7b|draft DIR | "
               "dsr1d model convert SRC_DIR OUT.gguf --dtype bf16|int8|int4 | "
               "dsr1d model check DIR [--dtype D]", file=sys.stderr)
         return EXIT_USAGE

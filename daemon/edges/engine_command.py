@@ -34,6 +34,9 @@ class ServerSpec:
     mmap: bool = False
     aliases: tuple[str, ...] = ()
     embeddings: bool = False      # a dedicated embedding model: /v1/embeddings, no generation
+    draft: Path | None = None     # speculative decoding with this model (same tokenizer)
+    ngram: bool = False           # speculative decoding from the text so far
+    draft_max: int = 0            # tokens drafted per step (0: llama-server's default)
 
 
 def find_binary(configured: str = "") -> Path | None:
@@ -84,7 +87,28 @@ def arguments(spec: ServerSpec) -> list[str]:
         mask = cpu_mask(spec.cpus[:max(1, spec.threads)])
         args += ["--cpu-mask", mask, "--cpu-strict", "1",
                  "--cpu-mask-batch", mask, "--cpu-strict-batch", "1"]
-    return args
+    return args + speculation(spec)
+
+
+def speculation(spec: ServerSpec) -> list[str]:
+    """Speculative decoding's flags: a draft model on the same threads and CPUs as the target
+    (they take turns, never run at once), or n-gram drafting from the text so far."""
+    if spec.draft is not None:
+        threads = str(max(1, spec.threads))
+        args = ["--spec-type", "draft-simple", "--model-draft", str(spec.draft),
+                "--spec-draft-threads", threads, "--spec-draft-threads-batch", threads]
+        if spec.draft_max:
+            args += ["--spec-draft-n-max", str(spec.draft_max)]
+        if spec.cpus:
+            mask = cpu_mask(spec.cpus[:max(1, spec.threads)])
+            args += ["--spec-draft-cpu-mask", mask, "--spec-draft-cpu-strict", "1"]
+        return args
+    if spec.ngram:
+        args = ["--spec-type", "ngram-simple"]
+        if spec.draft_max:
+            args += ["--spec-ngram-simple-size-m", str(spec.draft_max)]
+        return args
+    return []
 
 
 def environment(base: dict[str, str] | None = None) -> dict[str, str]:

@@ -35,6 +35,7 @@ from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 
+from dsr1d.constants import NGRAM
 from dsr1d.contract.sysroot import SysRoot
 from dsr1d.core.placement import Placement, bind_memory, describe, plan, read_topology
 from dsr1d.edges import engine_command
@@ -174,8 +175,10 @@ class EngineHost:
                  context: int = 0, mmap: bool = False, root: str = "/",
                  ping_timeout_s: float = PING_TIMEOUT_S, parallel: int = 1,
                  server: str = "", aliases: tuple[str, ...] = (),
-                 embeddings: bool = False) -> None:
+                 embeddings: bool = False, draft: str = "", draft_max: int = 0) -> None:
         self.model = model
+        self.draft = draft
+        self.draft_max = draft_max
         self.dtype = dtype
         self.backend = backend
         self.cache_dir = cache_dir
@@ -294,6 +297,7 @@ class EngineHost:
         """Prepare, start, serve until the server ends; _LoadFailure before it was ready."""
         self._set_state("loading")
         prepared = await self._prepare()
+        draft = await self._prepare_draft(prepared)
         binary = engine_command.find_binary(self.server)
         if binary is None:
             raise _LoadFailure("llama-server is not installed (make setup builds it; or set "
@@ -304,7 +308,8 @@ class EngineHost:
         self.socket.unlink(missing_ok=True)
         spec = engine_command.ServerSpec(
             Path(prepared.gguf), self.socket, self.threads, prepared.context, self.parallel,
-            placement.cpus, self.mmap, tuple(self._ids(prepared.name)), self.embeddings)
+            placement.cpus, self.mmap, tuple(self._ids(prepared.name)), self.embeddings,
+            draft, self.draft == NGRAM, self.draft_max)
         nodes = placement.mem_bind_nodes
 
         def child() -> None:
@@ -343,11 +348,29 @@ class EngineHost:
         return [name] + [a for a in self.aliases if a != name]
 
     async def _prepare(self) -> messages.Prepared:
+        """The served model, prepared; what it is goes into ``info``."""
+        outcome = await self._prepared(self.model, self.context)
+        self.info.update(model=outcome.name, dtype=outcome.file_type, gguf=outcome.gguf,
+                         dtype_reason=outcome.dtype_reason, parameters=outcome.parameters,
+                         context=outcome.context, thinks=outcome.thinks)
+        return outcome
+
+    async def _prepare_draft(self, target: messages.Prepared) -> Path | None:
+        """The draft model's file (prepared like the served one, for the same context), or
+        None without one; ``info["speculative"]`` says which kind of speculation runs."""
+        if self.draft in ("", NGRAM):
+            self.info["speculative"] = "ngram" if self.draft == NGRAM else "off"
+            return None
+        outcome = await self._prepared(Path(self.draft), target.context)
+        self.info["speculative"] = f"draft {outcome.name} ({outcome.file_type})"
+        return Path(outcome.gguf)
+
+    async def _prepared(self, model: Path, context: int) -> messages.Prepared:
         """The preparation process's outcome; conversion progress and notes to the log."""
         proc = await asyncio.create_subprocess_exec(
-            self.python, "-m", "dsr1d.engine.prepare", "--model", str(self.model),
+            self.python, "-m", "dsr1d.engine.prepare", "--model", str(model),
             "--dtype", self.dtype, "--cache-dir", str(self.cache_dir),
-            "--context", str(self.context), "--parallel", str(self.parallel),
+            "--context", str(context), "--parallel", str(self.parallel),
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, limit=1 << 20)
         assert proc.stdout is not None and proc.stderr is not None
@@ -372,10 +395,7 @@ class EngineHost:
             raise _LoadFailure(outcome.message)
         if not isinstance(outcome, messages.Prepared):
             last = err[-1] if err else f"exit status {code}"
-            raise _LoadFailure(f"preparing {self.model} failed: {last}"[:2000])
-        self.info.update(model=outcome.name, dtype=outcome.file_type, gguf=outcome.gguf,
-                         dtype_reason=outcome.dtype_reason, parameters=outcome.parameters,
-                         context=outcome.context, thinks=outcome.thinks)
+            raise _LoadFailure(f"preparing {model} failed: {last}"[:2000])
         return outcome
 
     async def _until_ready(self, proc: asyncio.subprocess.Process,
@@ -396,8 +416,9 @@ class EngineHost:
         self.info["threads"] = self.threads
         self.info["server_pid"] = proc.pid
         self.info["ready_since"] = time.monotonic()
-        log.info("engine ready: %s (%s, %s), %d thread(s)", prepared.name, prepared.file_type,
-                 prepared.dtype_reason, self.threads)
+        log.info("engine ready: %s (%s, %s), %d thread(s), speculative decoding: %s",
+                 prepared.name, prepared.file_type, prepared.dtype_reason, self.threads,
+                 self.info.get("speculative", "off"))
         self._set_state("busy" if self.active else "ready")
         self._changed(["Model", "Threads"])
 

@@ -205,7 +205,8 @@ class Daemon:
                   "parallel": config.engine_parallel,
                   "ping_timeout_s": config.engine_ping_timeout_s,
                   "server": config.engine_server, "aliases": tuple(config.aliases),
-                  "embeddings": config.engine_embeddings}
+                  "embeddings": config.engine_embeddings, "draft": config.draft_model,
+                  "draft_max": draft_max(config, self.manager)}
         changed = [k for k, v in wanted.items() if getattr(self.engine, k) != v]
         for key in changed:
             log.info("engine %s %s -> %s: restarting the engine", key,
@@ -336,7 +337,8 @@ class Daemon:
                           ping_timeout_s=config.engine_ping_timeout_s,
                           parallel=config.engine_parallel, server=config.engine_server,
                           aliases=tuple(config.aliases),
-                          embeddings=config.engine_embeddings)
+                          embeddings=config.engine_embeddings, draft=config.draft_model,
+                          draft_max=draft_max(config, manager))
         cookie: list[int] = []
 
         def busy(now_busy: bool) -> None:
@@ -421,6 +423,14 @@ def _quiet_loop_errors(loop: asyncio.AbstractEventLoop) -> None:
               f": {type(exc).__name__}: {exc}" if exc else "")
 
     loop.set_exception_handler(handle)
+
+
+def draft_max(config: Config, manager: Manager) -> int:
+    """Tokens drafted per step: the default profile's ``[engine] draft_max``, else the
+    config's."""
+    profile = manager.profiles.get(config.default_profile)
+    value = profile.sections.get("engine", {}).get("draft_max") if profile else None
+    return int(value) if value is not None else config.draft_max
 
 
 def main(config: str | None, bus_address: str | None, root: str | None, journal: str | None,

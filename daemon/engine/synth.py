@@ -112,6 +112,10 @@ PRESETS: dict[str, dict] = {
     "1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
              "num_attention_heads": 12, "num_key_value_heads": 2, "max_position_embeddings": 131072,
              "max_window_layers": 21, "vocab_size": 151936},
+    # A speculative-decoding draft for the 1.5b/7b shapes: their vocabulary, a small network.
+    "draft": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 131072, "max_window_layers": 2, "vocab_size": 151936},
     "7b": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
            "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 131072,
            "max_window_layers": 28, "vocab_size": 152064},
