@@ -37,6 +37,8 @@ class ServerSpec:
     draft: Path | None = None     # speculative decoding with this model (same tokenizer)
     ngram: bool = False           # speculative decoding from the text so far
     draft_max: int = 0            # tokens drafted per step (0: llama-server's default)
+    flash_attn: str = ""          # on, off, or "": llama-server's auto
+    kv_type: str = "f16"          # the KV cache's type (q8_0 halves its memory)
 
 
 def find_binary(configured: str = "") -> Path | None:
@@ -87,7 +89,18 @@ def arguments(spec: ServerSpec) -> list[str]:
         mask = cpu_mask(spec.cpus[:max(1, spec.threads)])
         args += ["--cpu-mask", mask, "--cpu-strict", "1",
                  "--cpu-mask-batch", mask, "--cpu-strict-batch", "1"]
-    return args + speculation(spec)
+    return args + attention(spec) + speculation(spec)
+
+
+def attention(spec: ServerSpec) -> list[str]:
+    """Flash attention and the KV cache's type. Without flash attention llama.cpp cannot keep V
+    quantised, so a q8_0 cache is then K only."""
+    args = ["--flash-attn", spec.flash_attn] if spec.flash_attn else []
+    if spec.kv_type != "f16":
+        args += ["--cache-type-k", spec.kv_type]
+        if spec.flash_attn != "off":
+            args += ["--cache-type-v", spec.kv_type]
+    return args
 
 
 def speculation(spec: ServerSpec) -> list[str]:

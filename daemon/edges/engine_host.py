@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ import aiohttp
 from dsr1d.constants import NGRAM
 from dsr1d.contract.sysroot import SysRoot
 from dsr1d.core.placement import Placement, bind_memory, describe, plan, read_topology
-from dsr1d.edges import engine_command
+from dsr1d.edges import engine_calibrate, engine_command
 from dsr1d import engine_messages as messages
 from dsr1d.table import human_size
 
@@ -175,8 +176,11 @@ class EngineHost:
                  context: int = 0, mmap: bool = False, root: str = "/",
                  ping_timeout_s: float = PING_TIMEOUT_S, parallel: int = 1,
                  server: str = "", aliases: tuple[str, ...] = (),
-                 embeddings: bool = False, draft: str = "", draft_max: int = 0) -> None:
+                 embeddings: bool = False, draft: str = "", draft_max: int = 0,
+                 flash_attn: str = "auto", kv_type: str = "f16") -> None:
         self.model = model
+        self.flash_attn = flash_attn
+        self.kv_type = kv_type
         self.draft = draft
         self.draft_max = draft_max
         self.dtype = dtype
@@ -309,7 +313,8 @@ class EngineHost:
         spec = engine_command.ServerSpec(
             Path(prepared.gguf), self.socket, self.threads, prepared.context, self.parallel,
             placement.cpus, self.mmap, tuple(self._ids(prepared.name)), self.embeddings,
-            draft, self.draft == NGRAM, self.draft_max)
+            draft, self.draft == NGRAM, self.draft_max, kv_type=self.kv_type)
+        spec = await self._with_attention(spec, binary)
         nodes = placement.mem_bind_nodes
 
         def child() -> None:
@@ -346,6 +351,22 @@ class EngineHost:
     def _ids(self, name: str) -> list[str]:
         """``name`` first, then the configured aliases."""
         return [name] + [a for a in self.aliases if a != name]
+
+    async def _with_attention(self, spec: engine_command.ServerSpec,
+                              binary: Path) -> engine_command.ServerSpec:
+        """``spec`` with flash attention configured, or measured (``auto``), and said why."""
+        if self.flash_attn != "auto":
+            mode, why = self.flash_attn, "engine_flash_attn"
+        else:
+            try:
+                mode, why = await engine_calibrate.flash_attention(spec, binary, self.cache_dir)
+            except (OSError, KeyError, ValueError, aiohttp.ClientError) as exc:
+                mode, why = "", f"llama-server's auto: measuring failed ({exc})"
+        log.info("engine: flash attention %s: %s; KV cache %s", mode or "auto", why,
+                 self.kv_type if mode != "off" or self.kv_type == "f16"
+                 else f"K {self.kv_type}, V f16 (no quantised V without flash attention)")
+        self.info["flash_attn"] = mode or "auto"
+        return dataclasses.replace(spec, flash_attn=mode)
 
     async def _prepare(self) -> messages.Prepared:
         """The served model, prepared; what it is goes into ``info``."""

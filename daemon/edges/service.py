@@ -206,6 +206,7 @@ class Daemon:
                   "ping_timeout_s": config.engine_ping_timeout_s,
                   "server": config.engine_server, "aliases": tuple(config.aliases),
                   "embeddings": config.engine_embeddings, "draft": config.draft_model,
+                  "flash_attn": config.engine_flash_attn, "kv_type": config.engine_kv_type,
                   "draft_max": draft_max(config, self.manager)}
         changed = [k for k, v in wanted.items() if getattr(self.engine, k) != v]
         for key in changed:
@@ -338,7 +339,8 @@ class Daemon:
                           parallel=config.engine_parallel, server=config.engine_server,
                           aliases=tuple(config.aliases),
                           embeddings=config.engine_embeddings, draft=config.draft_model,
-                          draft_max=draft_max(config, manager))
+                          draft_max=draft_max(config, manager),
+                          flash_attn=config.engine_flash_attn, kv_type=config.engine_kv_type)
         cookie: list[int] = []
 
         def busy(now_busy: bool) -> None:
