@@ -1,8 +1,8 @@
 """Decode at depth: what R1's long reasoning costs. One stream, greedy, ``--tokens`` decoded
 after ``--depths`` tokens of context, on the synthetic R1-Distill-Qwen-1.5B (int4).
 
-Rows: dsr1d's llama-server as the daemon starts it (``engine_command.arguments``) with flash
-attention off and on, with a q8_0 KV cache, and llama-server built from the release
+Rows: dsr1d's llama-server as the daemon starts it (``engine_command.arguments``, its placement:
+threads pinned one per physical core) with flash attention off and on, with a q8_0 KV cache, and llama-server built from the release
 (``DSR1D_LLAMA_PATCHES=amx-tile-config tools/llama-server.sh``, its defaults: flash attention
 ``auto``). Each row in its own server, rounds interleaved, the median printed with the ratio to
 the release at the same depth. Prints a table and JSON; never passes or fails.
@@ -44,8 +44,17 @@ def arguments(row: str, sock: Path, threads: int, context: int) -> tuple[Path, l
                                   "--no-webui"]
     flash, kv = {"dsr1d fa off": ("off", "f16"), "dsr1d fa on": ("on", "f16"),
                  "dsr1d fa on, kv q8_0": ("on", "q8_0")}[row]
-    spec = engine_command.ServerSpec(MODEL, sock, threads, context, flash_attn=flash, kv_type=kv)
+    spec = engine_command.ServerSpec(MODEL, sock, threads, context, cpus=placed_cpus(threads),
+                                     flash_attn=flash, kv_type=kv)
     return engine_command.find_binary(), engine_command.arguments(spec)
+
+
+def placed_cpus(threads: int) -> list[int]:
+    """The daemon's placement: one CPU per physical core of one node, pinned."""
+    from dsr1d.contract.sysroot import SysRoot
+    from dsr1d.core.placement import plan, read_topology
+
+    return plan(read_topology(SysRoot("/")), None, threads, sorted(os.sched_getaffinity(0))).cpus
 
 
 def decode_rate(row: str, depth: int, tokens: int, threads: int) -> float:
@@ -63,6 +72,8 @@ def decode_rate(row: str, depth: int, tokens: int, threads: int) -> float:
                             break
                     except httpx.TransportError:
                         time.sleep(0.1)
+                # a warm-up, so that the first steps' page faults are no row's figure
+                client.post("/completion", json={"prompt": [100], "n_predict": 8})
                 body = {"prompt": [100 + (i * 7919) % 1000 for i in range(max(1, depth))],
                         "n_predict": tokens, "ignore_eos": True, "temperature": 0,
                         "cache_prompt": False}
