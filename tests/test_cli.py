@@ -375,3 +375,5 @@ def test_read_commands_speak_json(fake: FakeRoot) -> None:
     listed = json.loads(dsr1d(fake, "list", "--json", check=True).stdout)
     assert "sustained" in {p["name"] for p in listed}
     assert json.loads(dsr1d(fake, "verify", "--json", check=True).stdout)["profile"] is None
+    # before the command too, as dsr1ctl takes it
+    assert json.loads(dsr1d(fake, "--json", "list", check=True).stdout) == listed

@@ -196,12 +196,13 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--config", default=argparse.SUPPRESS,
                         help="the daemon's configuration, whose root, journal and profiles_dir "
                              "are the defaults here (default /etc/dsr1d/dsr1d.conf)")
-    top = argparse.ArgumentParser(prog="dsr1d", parents=[common],
+    as_json = argparse.ArgumentParser(add_help=False)
+    as_json.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                         help="machine-readable output (probe, list, verify)")
+    top = argparse.ArgumentParser(prog="dsr1d", parents=[common, as_json],
                                   description="dsr1d admin commands (run as root)")
     top.add_argument("--version", action="version", version=f"dsr1d {__version__}")
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    as_json = argparse.ArgumentParser(add_help=False)
-    as_json.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("probe", parents=[common, as_json],
                    help="which tunables work here, and their values")
     sub.add_parser("list", parents=[common, as_json], help="the profiles (* = active)")
