@@ -11,6 +11,7 @@ import pytest
 
 from fakeroot import FakeRoot, intel_box
 
+pytest_plugins = ["strict_skips"]
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 
