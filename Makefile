@@ -18,7 +18,7 @@ DESTDIR ?=
 LIBDIR ?= $(PREFIX)/lib/dsr1d
 UNITDIR ?= /lib/systemd/system
 
-.PHONY: setup run test clean install
+.PHONY: setup run test clean install completion
 
 setup: $(STAMP)
 
@@ -46,6 +46,13 @@ test: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+
+# The bash completion, generated from the argparse parsers (tests/test_completion_generated.py
+# fails until this is run after a parser changes).
+completion: setup
+	for c in dsr1d dsr1ctl; do $(VENV)/bin/python tools/completion.py $$c \
+	    > etc/bash-completion/$$c.new && mv etc/bash-completion/$$c.new etc/bash-completion/$$c \
+	    || exit 1; done
 
 # Installs the daemon system-wide: the package and its dependencies in $(LIBDIR) (pip --target,
 # built with $(PYTHON), which must be the target's Python minor version), launchers in
