@@ -75,6 +75,8 @@ install:
 	install -D -m 644 etc/dbus-1/system.d/org.dsr1d.conf $(DESTDIR)$(PREFIX)/share/dbus-1/system.d/org.dsr1d.conf
 	install -D -m 644 etc/polkit-1/actions/org.dsr1d.policy $(DESTDIR)$(PREFIX)/share/polkit-1/actions/org.dsr1d.policy
 	install -D -m 644 README.md $(DESTDIR)$(PREFIX)/share/doc/dsr1d/README.md
+	install -D -m 644 NEWS.md $(DESTDIR)$(PREFIX)/share/doc/dsr1d/NEWS.md
+	install -D -m 644 -t $(DESTDIR)$(PREFIX)/share/doc/dsr1d/docs docs/*.md
 	install -D -m 644 -t $(DESTDIR)$(PREFIX)/share/bash-completion/completions etc/bash-completion/dsr1d etc/bash-completion/dsr1ctl
 	install -D -m 644 -t $(DESTDIR)$(PREFIX)/share/man/man8 man/dsr1d.8
 	install -D -m 644 -t $(DESTDIR)$(PREFIX)/share/man/man1 man/dsr1ctl.1

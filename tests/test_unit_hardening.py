@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 UNIT = Path(__file__).resolve().parent.parent / "systemd" / "dsr1d.service"
-# Measured: 4.1 before the hardening step, 2.6 after (README, "Security").
+# Measured: 4.1 before the hardening step, 2.6 after (docs/security.md).
 MAX_EXPOSURE = 3.0
 
 
