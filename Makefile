@@ -73,6 +73,7 @@ install:
 	install -D -m 644 -t $(DESTDIR)$(PREFIX)/share/dsr1d/profiles etc/dsr1d/profiles/*.conf
 	test -e $(DESTDIR)/etc/dsr1d/dsr1d.conf || install -m 644 etc/dsr1d/dsr1d.conf $(DESTDIR)/etc/dsr1d/dsr1d.conf
 	install -D -m 644 etc/dbus-1/system.d/org.dsr1d.conf $(DESTDIR)$(PREFIX)/share/dbus-1/system.d/org.dsr1d.conf
+	install -D -m 644 -t $(DESTDIR)$(PREFIX)/share/dbus-1/interfaces etc/dbus-1/interfaces/*.xml
 	install -D -m 644 etc/polkit-1/actions/org.dsr1d.policy $(DESTDIR)$(PREFIX)/share/polkit-1/actions/org.dsr1d.policy
 	install -D -m 644 README.md $(DESTDIR)$(PREFIX)/share/doc/dsr1d/README.md
 	install -D -m 644 NEWS.md $(DESTDIR)$(PREFIX)/share/doc/dsr1d/NEWS.md
