@@ -2,7 +2,8 @@
 after ``--depths`` tokens of context, on the synthetic R1-Distill-Qwen-1.5B (int4).
 
 Rows: dsr1d's llama-server as the daemon starts it (``engine_command.arguments``, its placement:
-threads pinned one per physical core) with flash attention off and on, with a q8_0 KV cache, and llama-server built from the release
+threads pinned one per physical core) with flash attention off and on, with a q8_0 KV cache,
+and llama-server built from the release
 (``DSR1D_LLAMA_PATCHES=amx-tile-config tools/llama-server.sh``, its defaults: flash attention
 ``auto``). Each row in its own server, rounds interleaved, the median printed with the ratio to
 the release at the same depth. Prints a table and JSON; never passes or fails.

@@ -5,7 +5,8 @@ the same source with only the AMX tile fix it needs to run on AMX CPUs).
 Same GGUF, same threads, the ``openai`` client, 1, 4 and 8 streams of distinct prompts, 128
 tokens each (``ignore_eos``, greedy), one level at a time and one server at a time (nothing else
 runs while one is timed); each level ``--rounds`` times (3), dsr1d's API and its server taking
-turns in alternating order, every request a prompt no server has seen; the median round. Printed per server and level: aggregate tok/s, time to first token
+turns in alternating order, every request a prompt no server has seen; the median round.
+Printed per server and level: aggregate tok/s, time to first token
 p50/p99, inter-token latency p50/p99; then the ratios the serving targets are about: dsr1d ÷
 its own llama-server (the front's cost), dsr1d ÷ the release's server, 4 streams ÷ 1.
 

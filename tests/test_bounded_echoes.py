@@ -12,7 +12,7 @@ import pytest
 
 pytest.register_assert_rewrite("daemon_fixtures", "engine_fixtures")
 from daemon_fixtures import BusClient, ERROR  # noqa: E402
-from engine_fixtures import ENGINE, ENGINE_PATH, engine, engine_daemon_running  # noqa: E402
+from engine_fixtures import engine, engine_daemon_running  # noqa: E402
 
 pytest_plugins = ["daemon_fixtures", "engine_fixtures"]
 

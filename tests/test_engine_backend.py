@@ -1,4 +1,5 @@
-"""What a model is prepared as for llama-server, and the GGUF conversion cache (a partial or stale entry is never
+"""What a model is prepared as for llama-server, and the GGUF conversion cache (a partial or
+stale entry is never
 served), on the tiny synthetic model."""
 
 from __future__ import annotations

@@ -11,9 +11,7 @@ for a fixed time: every wait polls with a deadline.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -23,15 +21,15 @@ import pytest
 pytest.register_assert_rewrite("daemon_fixtures", "engine_fixtures")
 from daemon_fixtures import (BUS_NAME, DBUS_INVALID_ARGS, ERROR,  # noqa: E402
                              BusClient, busctl, dsr1ctl, error_of, eventually, prop, run)
-from engine_fixtures import (ENGINE, ENGINE_PATH, ENGINE_SIGNALS, JOB_TIMEOUT,  # noqa: E402
-                             EngineDaemon, engine, engine_async, engine_daemon_running, finished,
-                             first_token, job_signals, options, plain, reply_of, worker_of)
+from engine_fixtures import (ENGINE, ENGINE_PATH, ENGINE_SIGNALS, EngineDaemon, engine,
+                             engine_daemon_running, finished, first_token, job_signals,
+                             options, plain)
 
 pytest_plugins = ["engine_fixtures"]
 
 dbus_fast = pytest.importorskip("dbus_fast")
 psutil = pytest.importorskip("psutil")
-from dbus_fast import MessageType, Variant  # noqa: E402
+from dbus_fast import Variant  # noqa: E402
 
 PROMPT = "What is the capital of France? Answer with one word."
 LONG = 3000       # new tokens of a "long" job: seconds of decoding, within the 4096 context

@@ -10,8 +10,7 @@ import psutil
 import pytest
 
 pytest.register_assert_rewrite("daemon_fixtures", "engine_fixtures")
-from engine_fixtures import (ENGINE, ENGINE_PATH, engine_daemon_running,  # noqa: E402
-                             smollm2)  # noqa: F401
+from engine_fixtures import ENGINE, ENGINE_PATH, engine_daemon_running  # noqa: E402
 
 from dsr1d.edges.engine_calibrate import FILE, choose  # noqa: E402
 

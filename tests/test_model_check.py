@@ -9,11 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-pytest.register_assert_rewrite("engine_fixtures")
-from engine_fixtures import tiny_model  # noqa: E402,F401
-
 pytest_plugins = ["engine_fixtures"]
 
 

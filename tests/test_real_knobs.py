@@ -23,6 +23,13 @@ pytestmark = [
 
 THP = Path("/sys/kernel/mm/transparent_hugepage")
 CPUIDLE = Path("/sys/devices/system/cpu/cpuidle")
+
+
+def _driver() -> str:
+    path = CPUIDLE / "current_driver"
+    return path.read_text().strip() if path.exists() else "absent"
+
+
 PM_QOS = Path("/dev/cpu_dma_latency")
 
 
@@ -106,7 +113,7 @@ def test_pm_qos_request_holds_while_the_process_lives(tmp_path):
 
 
 @pytest.mark.skipif(not deep_states(), reason="this machine has no cpuidle states "
-                    f"(driver: {(CPUIDLE / 'current_driver').read_text().strip() if (CPUIDLE / 'current_driver').exists() else 'absent'})")
+                    f"(driver: {_driver()})")
 def test_pm_qos_zero_stops_deep_idle(tmp_path):
     deepest = deep_states()[-1]
     core = build_core("/", journal=tmp_path / "state.json")
@@ -121,7 +128,7 @@ def test_pm_qos_zero_stops_deep_idle(tmp_path):
 
 
 @pytest.mark.skipif(not deep_states(), reason="this machine has no cpuidle states "
-                    f"(driver: {(CPUIDLE / 'current_driver').read_text().strip() if (CPUIDLE / 'current_driver').exists() else 'absent'})")
+                    f"(driver: {_driver()})")
 def test_cpuidle_disable_takes_effect_with_the_governor_handled(tmp_path, saved_knobs):
     cpus = [int(p.name[3:]) for p in Path("/sys/devices/system/cpu").glob("cpu[0-9]*")]
     deepest = deep_states()[-1]

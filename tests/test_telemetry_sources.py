@@ -25,8 +25,8 @@ from dsr1d.contract.hookspecs import hookimpl
 from dsr1d.core.plugin_manager import collect_tunables, make_manager
 from dsr1d.plugins.procstat import ProcStat
 from dsr1d.plugins.rapl import CVE_NOTE, Rapl
-from dsr1d.plugins.thermal import AperfMperf, CpufreqLimits, CpufreqMhz, Hwmon, MsrThermStatus, ThermalZones, \
-    ThrottleCounters
+from dsr1d.plugins.thermal import (AperfMperf, CpufreqLimits, CpufreqMhz, Hwmon, MsrThermStatus,
+                                   ThermalZones, ThrottleCounters)
 from dsr1d.contract.sysroot import SysRoot
 from dsr1d.contract.telemetry import Unavailable
 from dsr1d.contract.tunable import Support
