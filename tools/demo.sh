@@ -53,7 +53,8 @@ echo; echo "THP before the daemon: $(cat $THP)"
 "$BIN/dsr1d" run --config "$WORK/dsr1d.conf" --journal "$WORK/state.json" 2>"$WORK/daemon.log" &
 DAEMON=$!
 for _ in $(seq 100); do busctl --system status org.dsr1d >/dev/null 2>&1 && break; sleep 0.1; done
-for _ in $(seq 300); do
+# the first start also measures flash attention on and off (a minute at most for SmolLM2)
+for _ in $(seq 1800); do
     busctl --system get-property org.dsr1d /org/dsr1d/engine org.dsr1d.Engine1 State 2>/dev/null \
         | grep -q ready && break
     sleep 0.1
