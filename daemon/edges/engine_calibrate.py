@@ -49,9 +49,11 @@ def choose(rates: dict[str, list[float]]) -> tuple[str, str]:
 
 
 def cache_key(spec: ServerSpec, binary: Path) -> str:
-    """What the measurement depends on: the file, the binary, the threads, the CPU."""
+    """What the measurement depends on: the file, the binary, the threads, the CPU, how it
+    is measured."""
     parts = [str(spec.gguf), str(_stat(spec.gguf)), str(binary), str(_stat(binary)),
-             str(spec.threads), ",".join(map(str, spec.cpus)), _cpu_model()]
+             str(spec.threads), ",".join(map(str, spec.cpus)), _cpu_model(),
+             f"{DEPTH} {TOKENS} {ROUNDS}"]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
