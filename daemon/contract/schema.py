@@ -103,4 +103,4 @@ def either(first: Parser, second: Parser, what: str) -> Parser:
 
 def option(parse: Parser, help: str, kind: str | None = None) -> Option:
     """Build an `Option`; ``kind`` is the type as shown in documentation."""
-    return Option(parse=parse, help=help, kind=kind or getattr(parse, "__name__", "value"))
+    return Option(parse=parse, help=help, kind=kind or str(getattr(parse, "__name__", "value")))

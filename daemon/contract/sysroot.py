@@ -15,7 +15,7 @@ import re
 import struct
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, cast
 
 CPU_DIR = "sys/devices/system/cpu"
 CPU_ONLINE = f"{CPU_DIR}/online"
@@ -119,7 +119,7 @@ class SysRoot:
         found = self._fixed.get(key)
         if found is None:
             found = self._fixed[key] = self.glob(pattern)
-        return list(found)  # type: ignore[call-overload]
+        return list(cast(list[str], found))
 
     def forget_fixed(self) -> None:
         """CPUs came or went, or a driver changed: read the fixed attributes again."""
@@ -213,7 +213,7 @@ class SysRoot:
                 os.close(fd)
         if len(data) != 8:
             raise OSError(errno_mod.EIO, f"short read of MSR {reg:#x}")
-        return struct.unpack("<Q", data)[0]
+        return int(struct.unpack("<Q", data)[0])
 
     def write_msr(self, cpu: int, reg: int, value: int) -> None:
         """Write the 64-bit ``value`` to register ``reg`` on ``cpu``."""
@@ -242,7 +242,7 @@ class SysRoot:
     def pm_qos_effective(self) -> int:
         """The system-wide CPU latency limit in µs that the kernel currently enforces."""
         with open(self.path(PM_QOS_DEVICE), "rb") as f:
-            return struct.unpack("<i", f.read(4))[0]
+            return int(struct.unpack("<i", f.read(4))[0])
 
     def pm_qos_held(self) -> int | None:
         """The latency request this process holds, or None."""
