@@ -68,7 +68,6 @@ class Gate:
         self.limits = limits
         self.open = 0
         self.by_peer: dict[Peer, int] = {}
-        self.refused = 0
         self._connections: dict[asyncio.BaseTransport, _Connection] = {}
         self._tally = Tally(log)
 
@@ -83,12 +82,12 @@ class Gate:
         total = self.limits.total + (ROOT_EXTRA if root else 0)
         mine = self.by_peer.get(peer, 0)
         if self.open >= total or (not root and mine >= self.limits.per_peer):
-            self.refused += 1
-            which = "in all" if self.open >= total else f"from {_name(peer)}"
-            limit = total if self.open >= total else self.limits.per_peer
-            self._tally(("refused", which), logging.WARNING,
+            full = self.open >= total
+            # one line per interval for each limit, however many addresses a flood comes from
+            self._tally(full, logging.WARNING,
                         "API: refused a connection from %s: %d open %s (the limit)",
-                        _name(peer), limit, which)
+                        _name(peer), total if full else self.limits.per_peer,
+                        "in all" if full else f"from {_name(peer)}")
             return None
         self.open += 1
         self.by_peer[peer] = mine + 1

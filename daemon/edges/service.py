@@ -408,10 +408,7 @@ def engine_setting(config: Config, manager: Manager, key: str) -> str:
     else the default profile's ``[engine] <key>``, else ``auto``. Read at engine start and on
     reload (a change restarts the engine)."""
     value = getattr(config, f"engine_{key}")
-    if value != "auto":
-        return value
-    profile = manager.profiles.get(config.default_profile)
-    return profile.sections.get("engine", {}).get(key, "auto") if profile else "auto"
+    return value if value != "auto" else str(_profile_engine(config, manager, key, "auto"))
 
 
 def _quiet_loop_errors(loop: asyncio.AbstractEventLoop) -> None:
@@ -430,9 +427,13 @@ def _quiet_loop_errors(loop: asyncio.AbstractEventLoop) -> None:
 def draft_max(config: Config, manager: Manager) -> int:
     """Tokens drafted per step: the default profile's ``[engine] draft_max``, else the
     config's."""
+    return int(_profile_engine(config, manager, "draft_max", config.draft_max))
+
+
+def _profile_engine(config: Config, manager: Manager, key: str, default: Any) -> Any:
+    """The default profile's ``[engine] key``, or ``default``."""
     profile = manager.profiles.get(config.default_profile)
-    value = profile.sections.get("engine", {}).get("draft_max") if profile else None
-    return int(value) if value is not None else config.draft_max
+    return profile.sections.get("engine", {}).get(key, default) if profile else default
 
 
 def main(config: str | None, bus_address: str | None, root: str | None, journal: str | None,
