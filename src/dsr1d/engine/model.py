@@ -15,6 +15,7 @@ import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from dsr1d.constants import ENGINE_DTYPES  # noqa: E402
+from dsr1d.cpu import cpu_flags  # noqa: E402
 from dsr1d.engine import memory  # noqa: E402
 from dsr1d.engine.backend import model_name  # noqa: E402
 from dsr1d.engine.errors import ModelError  # noqa: E402,F401  (re-exported)
@@ -43,7 +44,7 @@ class Loaded:
 def native_bf16(flags: set[str] | None = None) -> bool:
     """Whether the CPU computes bf16 natively (AVX512-BF16 or AMX)."""
     if flags is None:
-        flags = _cpu_flags()
+        flags = cpu_flags()
     return bool({"avx512_bf16", "amx_bf16"} & flags)
 
 
@@ -181,13 +182,3 @@ def _numel(shape: list[int]) -> int:
         count *= dim
     return count
 
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()

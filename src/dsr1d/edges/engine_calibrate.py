@@ -26,6 +26,7 @@ from typing import Any
 
 import aiohttp
 
+from dsr1d.cpu import cpu_model
 from dsr1d.edges import engine_command
 from dsr1d.edges.engine_command import ServerSpec
 
@@ -52,7 +53,7 @@ def cache_key(spec: ServerSpec, binary: Path) -> str:
     """What the measurement depends on: the file, the binary, the threads, the CPU, how it
     is measured."""
     parts = [str(spec.gguf), str(_stat(spec.gguf)), str(binary), str(_stat(binary)),
-             str(spec.threads), ",".join(map(str, spec.cpus)), _cpu_model(),
+             str(spec.threads), ",".join(map(str, spec.cpus)), cpu_model(),
              f"{DEPTH} {TOKENS} {ROUNDS}"]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
@@ -144,13 +145,3 @@ def _stat(path: Path) -> tuple[int, int]:
     except OSError:
         return 0, 0
 
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"

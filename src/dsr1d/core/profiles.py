@@ -104,7 +104,7 @@ class Profile:
 
 def builtin_dir() -> Path:
     """Where the built-in profiles are: the checkout's etc/, else the installed share/."""
-    checkout = Path(__file__).resolve().parents[2] / "etc" / "dsr1d" / "profiles"
+    checkout = Path(__file__).resolve().parents[3] / "etc" / "dsr1d" / "profiles"
     if checkout.is_dir():
         return checkout
     return Path(sys.prefix) / "share" / "dsr1d" / "profiles"
