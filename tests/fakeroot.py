@@ -153,6 +153,34 @@ class FakeRoot:
         self.write(f"{base}/max_energy_range_uj", "262143328850\n")
         return self
 
+    def add_uncore(self, package: int, die: int = 0, low_khz: int = 800_000,
+                   high_khz: int = 2_400_000, max_khz: int | None = None,
+                   min_khz: int | None = None) -> FakeRoot:
+        """An ``intel_uncore_frequency/package_XX_die_YY`` directory: the firmware's range and
+        the limits now (the range itself unless given)."""
+        return self._uncore_dir(f"package_{package:02d}_die_{die:02d}", low_khz, high_khz,
+                                max_khz, min_khz)
+
+    def add_uncore_cluster(self, instance: int, package: int, domain: int, cluster: int = 0,
+                           low_khz: int = 800_000, high_khz: int = 2_400_000,
+                           max_khz: int | None = None) -> FakeRoot:
+        """A TPMI ``intel_uncore_frequency/uncoreNN`` directory (one fabric cluster)."""
+        name = f"uncore{instance:02d}"
+        for leaf, value in (("package_id", package), ("domain_id", domain),
+                            ("fabric_cluster_id", cluster)):
+            self.write(f"{CPU}/intel_uncore_frequency/{name}/{leaf}", f"{value}\n")
+        return self._uncore_dir(name, low_khz, high_khz, max_khz, None)
+
+    def _uncore_dir(self, name: str, low_khz: int, high_khz: int, max_khz: int | None,
+                    min_khz: int | None) -> FakeRoot:
+        base = f"{CPU}/intel_uncore_frequency/{name}"
+        for leaf, value in (("initial_min_freq_khz", low_khz), ("initial_max_freq_khz", high_khz),
+                            ("min_freq_khz", low_khz if min_khz is None else min_khz),
+                            ("max_freq_khz", high_khz if max_khz is None else max_khz),
+                            ("current_freq_khz", low_khz)):
+            self.write(f"{base}/{leaf}", f"{value}\n")
+        return self
+
     # -- memory ------------------------------------------------------------------------------
 
     def add_thp(self, enabled: str = "madvise", defrag: str = "madvise",
@@ -198,7 +226,7 @@ def diff_snapshots(before: dict[str, object], after: dict[str, object]) -> list[
 
 def intel_box(path: Path, cpus: int = 4) -> FakeRoot:
     """An Intel server with every tunable present: EPB/EPP, cpufreq, idle states, MSRs, PM QoS,
-    THP."""
+    THP, the uncore frequency."""
     fake = FakeRoot(path)
     for n in range(cpus):
         fake.add_cpu(n, epb=6, epp="balance_performance").add_cpufreq(n)
@@ -207,5 +235,6 @@ def intel_box(path: Path, cpus: int = 4) -> FakeRoot:
         fake.add_msr(n, 0xE2, 0x8)
     fake.add_cpuidle([("POLL", 0), ("C1", 2), ("C1E", 10), ("C6", 170)])
     fake.add_rapl().write(f"{CPU}/intel_pstate/no_turbo", "0\n")
+    fake.add_uncore(0)
     fake.add_procfs()
     return fake.add_pm_qos().add_thp()

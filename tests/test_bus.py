@@ -66,7 +66,7 @@ def check_reads(bus, nobody: bool) -> None:
     assert prop(bus, "Mitigations", nobody=nobody) == []
     tunables = {name: supported for name, supported, _ in prop(bus, "Tunables", nobody=nobody)}
     assert tunables == {"cpufreq": True, "cstate": True, "epb": True, "prefetcher": True,
-                        "rapl": True, "thp": True, "turbo": True}
+                        "rapl": True, "thp": True, "turbo": True, "uncore": True}
 
     every = busctl(bus, "--json=short", "call", BUS_NAME, PATH, "org.freedesktop.DBus.Properties",
                    "GetAll", "s", MANAGER, nobody=nobody)

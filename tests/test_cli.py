@@ -83,7 +83,8 @@ def test_probe_intel(fake: FakeRoot) -> None:
     proc = dsr1d(fake, "probe", check=True)
     rows = table(proc.stdout)
     assert proc.stdout.splitlines()[0].split() == ["TUNABLE", "SUPPORTED", "CURRENT", "DETAIL"]
-    assert list(rows) == ["cpufreq", "cstate", "epb", "prefetcher", "rapl", "thp", "turbo"]
+    assert list(rows) == ["cpufreq", "cstate", "epb", "prefetcher", "rapl", "thp", "turbo",
+                          "uncore"]
     assert all(row[1] == "yes" for row in rows.values())
     assert rows["epb"][2:] == ["epb=6 epp=balance_performance",
                                "EPB via sysfs on 4/4 CPUs; EPP on 4/4 CPUs"]
@@ -111,9 +112,11 @@ def test_probe_bare_amd_says_why_not(bare: FakeRoot) -> None:
     proc = dsr1d(bare, "probe", check=True)
     rows = table(proc.stdout)
     root = bare.path.resolve()
-    assert list(rows) == ["cpufreq", "cstate", "epb", "prefetcher", "rapl", "thp", "turbo"]
+    assert list(rows) == ["cpufreq", "cstate", "epb", "prefetcher", "rapl", "thp", "turbo",
+                          "uncore"]
     assert {name: row[1] for name, row in rows.items()} == {"cpufreq": "no",
-        "cstate": "no", "epb": "no", "prefetcher": "no", "rapl": "no", "thp": "yes", "turbo": "no"}
+        "cstate": "no", "epb": "no", "prefetcher": "no", "rapl": "no", "thp": "yes", "turbo": "no",
+        "uncore": "no"}
     assert rows["prefetcher"][2:] == [
         "-", "AuthenticAMD CPU: only Intel's MSR 0x1A4 is supported; other vendors' prefetch "
              "controls are not verified"]

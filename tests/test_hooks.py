@@ -106,7 +106,7 @@ def tmp_plugin(directory: Path, name: str, source: str) -> dict[str, str]:
 def test_extra_tunable_registers_in_process() -> None:
     tunables = collect_tunables(make_manager(extra=("extra_tunable",)))
     assert list(tunables) == ["cpufreq", "cstate", "epb", "prefetcher", "rapl", "swappy", "thp",
-                              "turbo"]
+                              "turbo", "uncore"]
     assert isinstance(tunables["swappy"], extra_tunable.Swappy)
 
 

@@ -751,7 +751,7 @@ def test_collect_sources_rejects_bad_sources() -> None:
 def test_builtin_sources_and_unchanged_tunables() -> None:
     pm = make_manager()
     assert list(collect_tunables(pm)) == ["cpufreq", "cstate", "epb", "prefetcher", "rapl", "thp",
-                                         "turbo"]
+                                         "turbo", "uncore"]
     assert list(collect_sources(pm)) == ["turbostat", "rapl", "hwmon", "aperf",
                                          "thermal_zones", "throttle", "msr_throttle", "cpufreq",
                                          "cpufreq_limits", "procstat"]

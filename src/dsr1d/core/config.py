@@ -205,6 +205,8 @@ def with_overrides(config: Config, root: str | None = None, journal: str | None 
     ``profiles_dir =`` the config sets still wins over those defaults; ``--journal`` and
     ``--profiles-dir`` win over both. So a restore after a crash, given the flags the daemon
     ran with, finds the daemon's journal."""
-    given = {"root": root, "journal": journal, "profiles_dir": profiles_dir}
-    return replace(config, **{k: v for k, v in given.items() if v is not None})
+    return replace(config,
+                   root=config.root if root is None else root,
+                   journal=config.journal if journal is None else journal,
+                   profiles_dir=config.profiles_dir if profiles_dir is None else profiles_dir)
 

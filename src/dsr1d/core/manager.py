@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Any, Callable
 
 from dsr1d.contract.tunable import TunableInfo
 from dsr1d.core.config import Config
@@ -72,7 +72,7 @@ class Manager:
         self.unsettled = False  # a failed switch could not undo all of its writes
         self.holds: list[Hold] = []
         self.tunables: list[TunableInfo] = []
-        self.overlays: dict[str, dict[str, dict]] = {}
+        self.overlays: dict[str, dict[str, dict[str, Any]]] = {}
         self._next_cookie = 1
         self.profile_listeners: list[ProfileListener] = []
         self.change_listeners: list[ChangeListener] = []
@@ -104,7 +104,8 @@ class Manager:
                      extra={"TUNABLE": change.tunable})
         self._log_vanished()
         if errors:
-            raise ApplyFailed(errors[0], None, errors[1:])
+            # A list[Exception] copy: ApplyFailed takes a list, which is invariant.
+            raise ApplyFailed(errors[0], None, list(errors[1:]))
 
     def stop(self) -> int:
         """Restore every knob; returns how many could not be restored."""
@@ -130,7 +131,8 @@ class Manager:
                 self.selected = config.default_profile
         previous = self.profiles
         self.profiles = self._load_profiles(previous=previous, errors=errors, loaded=loaded)
-        for name in {self.wanted(), self.active} - set(self.profiles) - {None}:
+        in_use = {name for name in (self.wanted(), self.active) if name is not None}
+        for name in in_use - set(self.profiles):
             log.error("profile %s no longer exists; keeping the loaded version while it is "
                       "in use", name)
             self.profiles[name] = previous[name]
@@ -224,18 +226,19 @@ class Manager:
                        errors: list[ProfileError] | None = None,
                        loaded: tuple[dict[str, Profile], list[ProfileError]] | None = None
                        ) -> dict[str, Profile]:
-        loaded, broken = loaded or self.core.store.load_all()
+        profiles, broken = loaded or self.core.store.load_all()
         for error in broken:
             name = error.file.rsplit("/", 1)[-1].removesuffix(".conf")
             kept = " (keeping the previous version)" if name in previous else ""
             log.error("profile rejected: %s%s", error, kept)
             if name in previous:
-                loaded[name] = previous[name]
+                profiles[name] = previous[name]
         if errors is not None:
             errors.extend(broken)
-        return dict(sorted(loaded.items()))
+        return dict(sorted(profiles.items()))
 
-    def set_overlay(self, name: str, sections: dict[str, dict] | None, reason: str) -> None:
+    def set_overlay(self, name: str, sections: dict[str, dict[str, Any]] | None,
+                    reason: str) -> None:
         """Lay ``sections`` over whatever profile is active (or lift overlay ``name``).
 
         Overlays are how throttle mitigation acts: journaled and restored like any profile

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import pluggy
 
@@ -23,6 +23,7 @@ DEFAULT_PLUGINS = (
     "dsr1d.plugins.powerlimit",
     "dsr1d.plugins.turbo",
     "dsr1d.plugins.cpufreq",
+    "dsr1d.plugins.uncore",
     "dsr1d.plugins.turbostat",
     "dsr1d.plugins.rapl",
     "dsr1d.plugins.thermal",
@@ -59,12 +60,14 @@ def make_manager(extra: tuple[str, ...] = ()) -> pluggy.PluginManager:
 
 
 def _enable_tracing(pm: pluggy.PluginManager) -> None:
-    def before(hook_name: str, impls: list[Any], kwargs: dict[str, Any]) -> None:
+    def before(hook_name: str, impls: Sequence[pluggy.HookImpl],
+               kwargs: Mapping[str, Any]) -> None:
         args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         names = ", ".join(impl.plugin_name for impl in impls)
         print(f"dsr1d trace: {hook_name}({args}) -> [{names}]", file=sys.stderr)
 
-    def after(outcome: Any, hook_name: str, impls: list[Any], kwargs: dict[str, Any]) -> None:
+    def after(outcome: pluggy.Result[Any], hook_name: str, impls: Sequence[pluggy.HookImpl],
+              kwargs: Mapping[str, Any]) -> None:
         if outcome.exception is not None:
             print(f"dsr1d trace: {hook_name} raised {outcome.exception!r}", file=sys.stderr)
 

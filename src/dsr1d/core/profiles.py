@@ -49,6 +49,8 @@ def _mitigation_schema() -> Schema:
     for name, kind, _default, help, lo, hi, unit in settings():
         if kind == "bool":
             schema[name] = option(boolean, help, "bool")
+        elif lo is None or hi is None:
+            raise TypeError(f"[mitigation] {name}: a {kind} setting needs its lo and hi")
         elif kind == "int":
             schema[name] = option(integer(int(lo), int(hi)), help, unit or "count")
         else:
@@ -192,8 +194,17 @@ class ProfileStore:
                 known = ", ".join(sorted(self.schemas))
                 line = section_line(path, name)
                 raise ProfileError(path, line, f"unknown section [{name}] (known: {known})")
-        merged: Sections = {}
         include = sections.get("main", {}).get("include")
+        merged: Sections = {} if include is None else self._merge_includes(path, include, chain)
+        for section, entries in sections.items():
+            own = {k: v for k, v in entries.items() if not (section == "main" and k == "include")}
+            merged.setdefault(section, {}).update(own)
+        merged.get("main", {}).pop("include", None)
+        return merged
+
+    def _merge_includes(self, path: Path, include: Entry, chain: tuple[Path, ...]) -> Sections:
+        """The profiles ``path`` includes, merged in order (later ones win, key by key)."""
+        merged: Sections = {}
         for parent_name in _include_names(include):
             itself = parent_name == path.stem
             try:
@@ -207,10 +218,6 @@ class ProfileStore:
                 raise ProfileError(path, include.line, f"include cycle: {cycle}")
             for section, entries in self._merge(parent, chain + (path,)).items():
                 merged.setdefault(section, {}).update(entries)
-        for section, entries in sections.items():
-            own = {k: v for k, v in entries.items() if not (section == "main" and k == "include")}
-            merged.setdefault(section, {}).update(own)
-        merged.get("main", {}).pop("include", None)
         return merged
 
     def _validate(self, merged: Sections) -> dict[str, dict[str, Any]]:
@@ -235,9 +242,7 @@ def validate_section(section: str, entries: dict[str, Entry], schema: Schema) ->
     return values
 
 
-def _include_names(include: Entry | None) -> list[str]:
-    if include is None:
-        return []
+def _include_names(include: Entry) -> list[str]:
     try:
         return word_list(include.value)
     except ValueError:
