@@ -14,6 +14,7 @@ the daemon's cost and not a disk's.
 
     .venv/bin/python bench/dbus.py [--calls 300] [--idle-seconds 60] [--flood-conns 50 --flood-calls 20]
                                    [--scale 4,32,128,512 --scale-calls 40]
+                                   [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from dbus_fast.aio import MessageBus  # noqa: E402
 
 from fakeroot import intel_box  # noqa: E402
 from harness.privbus import PrivateBus  # noqa: E402
+from results import add_write_option, markdown_table, write  # noqa: E402
 
 DEST, PATH, IFACE = "org.dsr1d", "/org/dsr1d", "org.dsr1d.Manager1"
 
@@ -209,6 +211,7 @@ def main() -> None:
     parser.add_argument("--flood-calls", type=int, default=20, help="reads per connection")
     parser.add_argument("--scale", default="4,32,128,512", help="CPU counts for the switch path")
     parser.add_argument("--scale-calls", type=int, default=40)
+    add_write_option(parser)
     args = parser.parse_args()
     with PrivateBus([REPO / "etc/dbus-1/system.d/org.dsr1d.conf"]) as privbus:
         with Daemon(privbus.address, args.cpus) as daemon:
@@ -236,6 +239,31 @@ def main() -> None:
     print(f"daemon CPU share while idle: {idle_share:.3f} % of one core over {args.idle_seconds:.0f} s")
     figures["switch_by_cpus"] = scaled
     print(json.dumps(figures))
+    write(args.write, "dbus", page(figures, args))
+
+
+def page(figures: dict, args: argparse.Namespace) -> str:
+    """The figures printed above, as the results page shows them."""
+    calls = markdown_table(
+        ["call", "p50 ms", "p99 ms", "p50 ÷ Ping"],
+        [(name, f"{f['p50_ms']:.2f}", f"{f['p99_ms']:.2f}", f"{f['ratio_to_ping']:.1f}")
+         for name, f in figures.items() if isinstance(f, dict) and "ratio_to_ping" in f])
+    fl = figures["flood"]
+    lines = [f"{args.calls} calls each, fake machine of {args.cpus} CPUs:", "", calls, "",
+             f"Flood as nobody: {fl['answered']}/{fl['sent']} reads answered from "
+             f"{args.flood_conns} connections in {fl['wall_s']:.2f} s, p50 {fl['p50_ms']:.1f} ms, "
+             f"p99 {fl['p99_ms']:.1f} ms. The idle daemon's CPU share: "
+             f"{figures['idle_cpu_percent_of_one_core']:.3f} % of one core over "
+             f"{args.idle_seconds:.0f} s."]
+    if figures["switch_by_cpus"]:
+        lines += ["", f"The switch path by machine size ({args.scale_calls} calls each; Ping in "
+                  "the same daemon):", "", markdown_table(
+                      ["CPUs", "Ping p50 ms", "SwitchProfile p50 ms", "SwitchProfile p99 ms",
+                       "ms per CPU"],
+                      [(cpus, f"{f['ping_p50_ms']:.2f}", f"{f['switch_p50_ms']:.2f}",
+                        f"{f['switch_p99_ms']:.2f}", f"{f['switch_ms_per_cpu']:.3f}")
+                       for cpus, f in figures["switch_by_cpus"].items()])]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

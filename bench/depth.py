@@ -9,6 +9,7 @@ and llama-server built from the release
 the release at the same depth. Prints a table and JSON; never passes or fails.
 
     .venv/bin/python bench/depth.py [--depths 0,4096] [--tokens 64] [--rounds 2]
+                                    [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 import httpx
+from results import add_write_option, markdown_table, write
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = Path("/var/tmp/dsr1d-bench/r1-1.5b/model-int4.gguf")
@@ -91,6 +93,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    add_write_option(parser)
     args = parser.parse_args()
     if not MODEL.exists():
         subprocess.run([sys.executable, "-m", "dsr1d.edges.admin", "model", "synth", "--preset",
@@ -118,6 +121,11 @@ def main() -> None:
             line += f"{median:14.2f} ({ratio:.2f}×)"
         print(line)
     print(json.dumps(figures))
+    write(args.write, "depth", f"Decode tok/s (÷ the release's llama-server), {args.threads} "
+          f"threads, {args.tokens} tokens, median of {args.rounds}:\n\n" + markdown_table(
+              ["row"] + [f"at {d} tokens of context" for d in depths],
+              [[row] + [f"{f[d]['tok_s']:.2f} ({f[d]['vs_release']:.2f}×)" for d in depths]
+               for row, f in figures.items()]))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ over the bus; during it, the descriptors the daemon holds, how many connections 
 accept, the lines its log grew by, and how long until the last connection it admitted was
 closed (no request header: the header deadline). Prints a table and JSON; never passes or fails.
 
-    .venv/bin/python bench/edges.py [--flood 10000] [--calls 50]
+    .venv/bin/python bench/edges.py [--flood 10000] [--calls 50] [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from fakeroot import intel_box  # noqa: E402
 from harness.privbus import PrivateBus  # noqa: E402
+from results import add_write_option, markdown_table, write  # noqa: E402
 
 KEY = "sk-bench-edges"
 FLOODER = (REPO / "tests/test_exhaustion.py").read_text().split('FLOODER = r"""')[1] \
@@ -82,6 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--flood", type=int, default=10_000)
     parser.add_argument("--calls", type=int, default=50)
+    add_write_option(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, \
             PrivateBus([REPO / "etc/dbus-1/system.d/org.dsr1d.conf"]) as bus:
@@ -145,6 +147,17 @@ def main() -> None:
               f"{f[key + '_p50_ms']:6.2f} / {f[key + '_p99_ms']:5.2f}   "
               f"ratio {f[key + '_p50_ms'] / q[key + '_p50_ms']:.2f}")
     print(json.dumps(figures))
+    write(args.write, "edges", markdown_table(
+        [f"while {connected:,} of {args.flood:,} idle TCP connections from `nobody`, no key, "
+         f"are open ({args.calls} calls)", "quiet", "flooded"],
+        [*((name, f"{quiet[key + '_p50_ms']:.2f} / {quiet[key + '_p99_ms']:.2f} ms",
+            f"{flooded[key + '_p50_ms']:.2f} / {flooded[key + '_p99_ms']:.2f} ms")
+           for name, key in (("root's `GET /metrics` on the unix socket, p50 / p99", "metrics"),
+                             ("`SwitchProfile` with busctl, p50 / p99", "switch"))),
+         ("descriptors the daemon holds", "", held),
+         ("log lines about the connections", "", about_flood),
+         ("until the daemon closed the last one (no header sent)", "",
+          f"{closed_s:.1f} s after the first (opening all took {opened_s:.1f} s)")]))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ slower, peak RSS ≤ 1.1× the weights). It never fails: it reports.
 
     .venv/bin/python bench/inference.py [--preset 1.5b|7b] [--model DIR] [--tokens 32]
         [--runs 3] [--prompt 128] [--precisions bf16,q8_0,q4_0] [--rows stock-bf16,served-bf16,…]
-        [--context N] [--stock released|patched] [--profile]
+        [--context N] [--stock released|patched] [--profile] [--write docs/benchmarks.md]
 
 The model is synthesised on first use (``dsr1d model synth --preset 1.5b``, 3.6 GB; 7b: 15 GB)
 into ``--model`` (default /var/tmp/dsr1d-bench/r1-distill-qwen-<preset>). The 7B preset runs the
@@ -68,6 +68,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
+
+from results import add_write_option, preformatted, write
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 BENCH_DIR = Path("/var/tmp/dsr1d-bench")
@@ -686,16 +688,18 @@ def fmt(value: float | None, spec: str, width: int, unit: str = "") -> str:
     return f"{text:>{width}}"
 
 
-def print_table(results: dict[str, dict[str, Any]]) -> None:
-    print(f"\n{'':36} {'decode tok/s':>12} {'x stock':>7} {'1st token':>9} {'peak RSS':>8} "
-          f"{'RSS/wts':>7} {'roofline':>8} {'of roof':>7} {'prompt':>6} {'hugepages':>9}")
+def table(results: dict[str, dict[str, Any]]) -> str:
+    lines = [f"{'':36} {'decode tok/s':>12} {'x stock':>7} {'1st token':>9} {'peak RSS':>8} "
+             f"{'RSS/wts':>7} {'roofline':>8} {'of roof':>7} {'prompt':>6} {'hugepages':>9}"]
     for r in results.values():
         huge = r.get("anon_huge_pages_bytes")
-        print(f"{r['label']:36} {r['decode_tok_s']:12.2f} {fmt(r['ratio_to_stock'], '.2f', 7)} "
-              f"{r['first_token_s'] * 1000:7.0f}ms {r['peak_rss_bytes'] / 1e9:6.2f}GB "
-              f"{r['rss_to_weights']:7.2f} {r['roofline_tok_s']:8.1f} "
-              f"{r['roofline_fraction'] * 100:6.0f}% {r['prompt_tokens']:6d} "
-              f"{fmt(huge / 1e9 if huge is not None else None, '.2f', 9, 'GB')}")
+        lines.append(
+            f"{r['label']:36} {r['decode_tok_s']:12.2f} {fmt(r['ratio_to_stock'], '.2f', 7)} "
+            f"{r['first_token_s'] * 1000:7.0f}ms {r['peak_rss_bytes'] / 1e9:6.2f}GB "
+            f"{r['rss_to_weights']:7.2f} {r['roofline_tok_s']:8.1f} "
+            f"{r['roofline_fraction'] * 100:6.0f}% {r['prompt_tokens']:6d} "
+            f"{fmt(huge / 1e9 if huge is not None else None, '.2f', 9, 'GB')}")
+    return "\n".join(lines)
 
 
 def print_targets(results: dict[str, dict[str, Any]]) -> None:
@@ -754,6 +758,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true", help="torch rows: where decode goes")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
+    add_write_option(parser)
     args = parser.parse_args()
     args.model = args.model or BENCH_DIR / PRESET_DIRS[args.preset]
     args.precisions = (args.precisions or DEFAULT_PRECISIONS[args.preset]).split(",")
@@ -797,10 +802,10 @@ def main() -> None:
                                    default_rows(args.preset, args.precisions))]
     print(cpu_line(), llama_line(), thp_line(), sep="\n")
     spec, machine = prepare(args, rows)
-    print(f"memory read bandwidth: {machine.bandwidth / 1e9:.1f} GB/s ({args.threads} threads); "
-          f"prompts {sorted({len(p['ids']) for p in spec['prompts']})} tokens, {args.tokens} "
-          f"new tokens, median of {args.runs}",
-          flush=True)
+    setting = (f"memory read bandwidth: {machine.bandwidth / 1e9:.1f} GB/s ({args.threads} "
+               f"threads); prompts {sorted({len(p['ids']) for p in spec['prompts']})} tokens, "
+               f"{args.tokens} new tokens, median of {args.runs}")
+    print(setting, flush=True)
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = Path(tmp) / "spec.json"
@@ -808,7 +813,7 @@ def main() -> None:
         for group in groups(rows, args.precisions):
             results.update(run_group(group, spec_path, args.runs))
     add_figures(results, rows, machine)
-    print_table(results)
+    print("\n" + table(results))
     print_targets(results)
     print_notes(results)
     print(json.dumps({"bandwidth_bytes_per_s": machine.bandwidth, "threads": args.threads,
@@ -816,6 +821,7 @@ def main() -> None:
                       "prompt_tokens": [len(p["ids"]) for p in spec["prompts"]],
                       "cpu": cpu_line(), "llama_cpp": llama_line(), "thp": thp_line(),
                       "rows": results}))
+    write(args.write, "inference", f"{setting}:\n\n{preformatted(table(results))}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ shape). Prints, for F32 / BF16 / Q8_0 / Q4_0 conversions of the same checkpoint,
 the logits at every position of a ~64-token sequence (min and mean), the top-1 agreement, and
 the mean KL divergence of the softmax from the reference. Never passes or fails.
 
-    .venv/bin/python bench/numerics.py [--model DIR] [--tokens 64]
+    .venv/bin/python bench/numerics.py [--model DIR] [--tokens 64] [--write docs/benchmarks.md]
 
 The model is the one bench/inference.py synthesises (default
 /var/tmp/dsr1d-bench/r1-distill-qwen-1.5b); conversions are cached beside it.
@@ -17,6 +17,8 @@ import json
 import os
 import sys
 from pathlib import Path
+
+from results import add_write_option, markdown_table, write
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 DEFAULT_MODEL = Path("/var/tmp/dsr1d-bench/r1-distill-qwen-1.5b")
@@ -76,15 +78,28 @@ def _llama(path: Path, context: int) -> "Llama":  # noqa: F821
                  verbose=False)
 
 
+# The rows as the results page lists them: llama.cpp's precision next to the torch backend's.
+LABELS = {"fp32": "llama.cpp F32", "bf16": "llama.cpp BF16", "int8": "llama.cpp Q8_0",
+          "torch-int8": "torch int8 (per channel)", "int4": "llama.cpp Q4_0",
+          "torch-int4": "torch int4 (group 32)"}
+
+
+def table(rows: dict[str, dict[str, float]]) -> str:
+    return markdown_table(["precision", "cosine min / mean", "top-1 agreement", "KL"], [
+        (label, f"{r['cosine_min']:.5f} / {r['cosine_mean']:.5f}", f"{r['top1_agreement']:.3f}",
+         f"{r['kl_mean']:.5f}") for key, label in LABELS.items() if (r := rows.get(key))])
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--tokens", type=int, default=64)
+    add_write_option(parser)
+    args = parser.parse_args()
     import torch
 
     from dsr1d.engine.synth import synthesize
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    parser.add_argument("--tokens", type=int, default=64)
-    args = parser.parse_args()
     if not (args.model / "config.json").exists():
         synthesize("1.5b", args.model)
     ggufs = {dtype: ensure_gguf(args.model, dtype) for dtype in DTYPES}
@@ -106,6 +121,8 @@ def main() -> None:
         del llm
         report(dtype, path.name, rows[dtype], len(ids))
     print(json.dumps({"model": str(args.model), "positions": len(ids), "rows": rows}))
+    write(args.write, "numerics", f"{len(ids)} positions, logits against torch fp32 on "
+          f"{args.model}:\n\n{table(rows)}")
 
 
 if __name__ == "__main__":

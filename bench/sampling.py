@@ -7,6 +7,7 @@ of ``--draws`` draws, and the ratio. llama.cpp's figure includes copying the log
 candidates array, as ``llama_sampler_sample`` does. Never passes or fails.
 
 Usage: .venv/bin/python bench/sampling.py [--vocab 151936] [--draws 100] [--runs 5]
+                                          [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dsr1d.engine.sampling import NOTHING_BARRED, TokenSampler
+from results import add_write_option, markdown_table, write
 
 OPTS = {"greedy": False, "temperature": 0.6, "top_p": 0.95, "seed": 1}
 
@@ -59,9 +61,11 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--draws", type=int, default=100)
     ap.add_argument("--runs", type=int, default=5)
+    add_write_option(ap)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     print(f"{'row':8} {'nucleus':>8} {'dsr1d ms':>9} {'llama.cpp ms':>13} {'ratio':>6}")
+    table = []
     for name, scale in (("flat", 1.0), ("peaked", 6.0)):
         logits = (rng.normal(0, 1, args.vocab) * scale).astype(np.float32)
         z = logits / OPTS["temperature"]
@@ -74,6 +78,10 @@ def main() -> None:
         except ImportError:
             theirs = float("nan")
         print(f"{name:8} {inside:8d} {mine:9.3f} {theirs:13.3f} {theirs / mine:5.1f}x")
+        table.append((name, inside, f"{mine:.3f}", f"{theirs:.3f}", f"{theirs / mine:.1f}×"))
+    write(args.write, "sampling", markdown_table(
+        ["row", "tokens in the nucleus", "dsr1d ms a draw", "llama.cpp ms a draw", "ratio"],
+        table))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ p50/p99, inter-token latency p50/p99; then the ratios the serving targets are ab
 its own llama-server (the front's cost), dsr1d ÷ the release's server, 4 streams ÷ 1.
 
     python bench/serving.py --model MODEL.gguf [--streams 1,4,8] [--tokens 128] [--threads N]
+                            [--write docs/benchmarks.md]
 
 The release's llama-server is built once by ``DSR1D_LLAMA_PATCHES=amx-tile-config
 tools/llama-server.sh`` (about as long as set-up's own build; cached). ``--no-release`` skips
@@ -32,6 +33,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+from results import add_write_option, write
 
 REPO = Path(__file__).resolve().parent.parent
 TOPICS = ["the sea", "a lighthouse", "bread", "winter", "a clock", "rivers", "a library",
@@ -230,14 +233,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds per level (median)")
     parser.add_argument("--no-release", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    add_write_option(parser)
     args = parser.parse_args()
     import psutil
 
     threads = args.threads or psutil.cpu_count(logical=False) or 1
     levels = [int(n) for n in args.streams.split(",")]
     name = args.model.stem
-    print(f"# serving, {time.strftime('%Y-%m-%d %H:%M')}, {machine()}\n"
-          f"# {args.model.name}, {threads} threads, {args.tokens} tokens a request, greedy")
+    about = f"{args.model.name}, {threads} threads, {args.tokens} tokens a request, greedy"
+    print(f"# serving, {time.strftime('%Y-%m-%d %H:%M')}, {machine()}\n# {about}")
     rows: dict[str, dict[int, dict]] = {}
     with tempfile.TemporaryDirectory(prefix="dsr1d-bench-") as tmp:
         work = Path(tmp)
@@ -252,28 +256,32 @@ def main() -> None:
                                 work) as sock:
                 rows.update(measure({"release llama-server": sock}, name, levels, args.tokens,
                                     args.rounds))
-    print("\n| server | streams | tok/s (median; every round) | TTFT p50 / p99 ms | "
-          "ITL p50 / p99 ms |\n|---|---|---|---|---|")
+    table = ["| server | streams | tok/s (median; every round) | TTFT p50 / p99 ms | "
+             "ITL p50 / p99 ms |", "|---|---|---|---|---|"]
     for server, by_level in rows.items():
         for n, f in by_level.items():
-            print(f"| {server} | {n} | {f['tok_s']:.1f} ({', '.join(map(str, f['tok_s_all']))})"
-                  f" | {f['ttft_p50']:.0f} / {f['ttft_p99']:.0f} | {f['itl_p50']:.1f} / "
-                  f"{f['itl_p99']:.1f} |")
+            table.append(f"| {server} | {n} | {f['tok_s']:.1f} "
+                         f"({', '.join(map(str, f['tok_s_all']))}) | {f['ttft_p50']:.0f} / "
+                         f"{f['ttft_p99']:.0f} | {f['itl_p50']:.1f} / {f['itl_p99']:.1f} |")
     ours = rows["dsr1d API"]
-    print()
+    notes = []
     for n in levels:
         line = f"{n} stream(s): dsr1d / its llama-server " \
                f"{ours[n]['tok_s'] / rows['its llama-server'][n]['tok_s']:.3f} (target >= 0.98)"
         if "release llama-server" in rows:
             line += f", dsr1d / release {ours[n]['tok_s'] / rows['release llama-server'][n]['tok_s']:.3f}" \
                     f" (target >= 1.0)"
-        print(line)
+        notes.append(line)
     front = sum(f["daemon_cpu_s"] for f in ours.values())
     direct = sum(f["daemon_cpu_s"] for f in rows["its llama-server"].values())
-    print(f"the daemon's CPU while its API served: {front:.2f} s; while its llama-server was "
-          f"reached directly: {direct:.2f} s (all rounds of all levels)")
+    notes.append(f"the daemon's CPU while its API served: {front:.2f} s; while its llama-server "
+                 f"was reached directly: {direct:.2f} s (all rounds of all levels)")
     if 1 in ours and 4 in ours:
-        print(f"dsr1d 4 streams / 1: {ours[4]['tok_s'] / ours[1]['tok_s']:.2f} (target >= 2.5)")
+        notes.append(f"dsr1d 4 streams / 1: {ours[4]['tok_s'] / ours[1]['tok_s']:.2f} "
+                     f"(target >= 2.5)")
+    print("\n" + "\n".join(table) + "\n\n" + "\n".join(notes))
+    write(args.write, "serving", f"{about}:\n\n" + "\n".join(table) + "\n\n"
+          + "\n".join(f"- {note}" for note in notes))
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "model": str(args.model),
                                          "threads": threads, "rows": rows}, indent=1))

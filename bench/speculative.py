@@ -13,6 +13,7 @@ Speed-up is decode tok/s over the same model's row without speculation in the sa
 a table and JSON; never passes or fails.
 
     .venv/bin/python bench/speculative.py [--tokens 128] [--rounds 3] [--lens 2,3,4]
+                                          [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 
 import httpx
+from results import add_write_option, markdown_table, write
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = Path("/var/tmp/dsr1d-bench")
@@ -89,6 +91,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--lens", default="2,3,4", help="synthetic mean acceptance lengths")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    add_write_option(parser)
     args = parser.parse_args()
     target, draft, small = synthetic("1.5b", "int4"), synthetic("draft", "int8"), smollm2()
     greedy = {"temperature": 0, "max_tokens": args.tokens}
@@ -129,6 +132,12 @@ def main() -> None:
         print(f"{name:40} {t['predicted_per_second']:7.1f} {drafted:8d} {accepted:9d} "
               f"{per_step:9.2f} {t['predicted_per_second'] / base:8.2f}×")
     print(json.dumps(figures))
+    write(args.write, "speculative", f"{args.threads} threads, {args.tokens} tokens, median of "
+          f"{args.rounds}:\n\n" + markdown_table(
+              ["row", "tok/s", "drafted", "accepted", "tokens per target step", "speed-up"],
+              [(name, f"{f['tok_s']:.1f}", f["draft_n"], f["draft_n_accepted"],
+                f"{f['tokens_per_target_step']:.2f}", f"{f['speed_up']:.2f}×")
+               for name, f in figures.items()]))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Time the tuning core on a fake root: plan, switch, verify and restore, in milliseconds.
 
 Prints figures, never passes or fails. Usage: .venv/bin/python bench/tuning.py [--cpus N]
+[--write docs/benchmarks.md]
 The baseline is a plain Python loop writing the same files without journal or checks, measured in
 the same run, so the ratio shows what the safety (journal fsyncs, reads, no-op skipping) costs.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from fakeroot import intel_box  # noqa: E402
+from results import add_write_option, markdown_table, write  # noqa: E402
 
 from dsr1d.core.context import build_core  # noqa: E402
 
@@ -35,6 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cpus", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=20)
+    add_write_option(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         fake = intel_box(Path(tmp) / "root", cpus=args.cpus)
@@ -63,6 +66,10 @@ def main() -> None:
     for key, value in figures.items():
         print(f"{key:28} {value:10.2f}" if isinstance(value, float) else f"{key:28} {value:10}")
     print(json.dumps(figures))
+    write(args.write, "tuning", markdown_table(
+        ["figure", f"median of {args.repeat}"],
+        [(key, f"{value:.2f}" if isinstance(value, float) else value)
+         for key, value in figures.items()]))
 
 
 if __name__ == "__main__":
