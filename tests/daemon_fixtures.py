@@ -40,7 +40,7 @@ BUS_NAME, PATH, MANAGER = "org.dsr1d", "/org/dsr1d", "org.dsr1d.Manager1"
 ERROR = "org.dsr1d.Error."
 DBUS_INVALID_ARGS = "org.freedesktop.DBus.Error.InvalidArgs"
 AS_NOBODY = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
-BUILTINS = ("balanced", "latency", "powersave", "sustained", "throughput")
+BUILTINS = ("balanced", "efficient", "latency", "powersave", "sustained", "throughput")
 JOURNAL = "run/dsr1d/state.json"
 CPU = "sys/devices/system/cpu"
 EPB = CPU + "/cpu{}/power/energy_perf_bias"

@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, run_dsr1d
 from fakeroot import CPU, THP, FakeRoot, intel_box
 
-BUILTINS = ("balanced", "latency", "powersave", "sustained", "throughput")
+BUILTINS = ("balanced", "efficient", "latency", "powersave", "sustained", "throughput")
 JOURNAL = "run/dsr1d/state.json"
 PM_QOS_NOTE = "PM QoS latency request (cstate max_latency_us)"
 

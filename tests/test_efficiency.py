@@ -98,12 +98,20 @@ def test_a_cpu_coming_online_with_boot_counts_is_no_throttle_evidence() -> None:
     assert not [a for t, a in actions(rows) if "throttled" in a.reason]
 
 
-def test_pl1_is_only_lowered_and_a_lock_is_read_back() -> None:
+def test_pl1_moves_in_bounded_steps_never_above_the_firmware_and_a_lock_is_read_back() -> None:
     free = Scenario("no-cpufreq", replace(PLANTS["step-tcc"].params, cpufreq_ceiling=False))
     rows = run(free, Dsr1d(), 600)
-    caps = [a.params["pl1_w"] for _, a in actions(rows) if a.kind == "apply"]
-    assert caps and all(c <= 350.0 for c in caps) and caps == sorted(caps, reverse=True)
-    assert {a.rung for _, a in actions(rows)} == {"rapl_pl1"}
+    applied = [a for _, a in actions(rows)]
+    cap, moves = 350.0, []
+    for r in rows:
+        for a in r["actions"]:
+            new = a.params["pl1_w"] if a.kind == "apply" else 350.0
+            moves.append((min(cap, r["pkg_power_w"]), new))     # a cap binds from what is drawn
+            cap = new
+    assert len(moves) > 2 and all(new <= 350.0 for _, new in moves)
+    # one move changes PL1 by at most pl1_step_percent (10 %) of the firmware's 350 W
+    assert all(abs(new - old) <= 35.0 + 0.1 for old, new in moves), moves
+    assert {a.rung for a in applied} == {"rapl_pl1"}
     assert figures(rows)["peak_temp_c"] < 105.0
     locked = Scenario("locked", replace(free.params, pl1_writable=False))
     got = actions(run(locked, Dsr1d(), 600))

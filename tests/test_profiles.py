@@ -15,7 +15,7 @@ from dsr1d.core.context import build_core
 from dsr1d.core.profiles import ProfileError, ProfileStore, UnknownProfile, builtin_dir, parse_ini
 from fakeroot import intel_box
 
-BUILTINS = ("balanced", "latency", "powersave", "sustained", "throughput")
+BUILTINS = ("balanced", "efficient", "latency", "powersave", "sustained", "throughput")
 
 
 @pytest.fixture(scope="module")

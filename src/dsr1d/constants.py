@@ -22,6 +22,7 @@ BUSY_MHZ = "busy_mhz"
 CPU_MHZ = "cpu_mhz"
 THROTTLE_COUNT = "throttle_count"
 ENGINE_TOKENS_PER_S = "engine_tokens_per_s"
+ENGINE_GB_PER_TOKEN = "engine_gb_per_token"   # GB (1e9 bytes) a decoded token reads: weights + KV
 LOAD_1M = "load_1m"
 # what the tokens-per-joule controller reads besides the above
 THROTTLE_MS = "throttle_ms"          # cumulative thermal throttle time, the most throttled CPU

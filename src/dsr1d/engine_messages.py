@@ -40,6 +40,9 @@ class Prepared:
     parameters: int
     context: int            # tokens each slot may use
     thinks: bool            # the chat template opens a think block (reasoning_content)
+    weight_bytes: int       # weights one decoded token reads (`gguf_file.decode_weight_bytes`)
+    kv_elements: int        # K values one token of context keeps, and as many V (layers x KV
+    #                         heads x head size); the KV cache's type gives their bytes
 
 
 @dataclass(frozen=True)

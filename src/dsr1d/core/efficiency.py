@@ -1,10 +1,10 @@
 """Closed-loop control on tokens per joule: samples in, actions out (pure, no I/O, no clock).
 
-The objective: the lowest energy per token while sustained decode keeps within ``delta_percent``
-of the best tokens/s the machine showed in this decode, and the package under its thermal limit
-before the hardware has to step in. Two actuators: a **frequency ceiling** (cpufreq
-``scaling_max_freq``), and where there is none a **PL1 cap**, only ever lowered from the
-firmware's value. Time comes from the samples.
+The objective: the lowest energy per token while decode keeps within ``delta_percent`` of what
+the machine sustains without the controller, and the package under its thermal limit before the
+hardware has to step in. Two actuators: a **frequency ceiling** (cpufreq ``scaling_max_freq``),
+and where there is none a **PL1 cap** (never above the firmware's). Both serve one target
+frequency; time comes from the samples.
 
 When it acts
 ------------
@@ -16,49 +16,61 @@ for ``release_idle_s`` every cap is lifted.
 What it learns
 --------------
 Samples more than ``settle_s`` after the last change are averaged into windows of ``dwell_s``;
-each window is one point (f, R, P): busy MHz, tokens/s, package watts. Decode time per token is
-memory time plus compute time, so over the recent points it fits ``1/R = a + b/f`` by least
-squares (natural variation counts: a PL2 budget running out or the hardware's own throttling
-gives two frequencies for free). With no spread in f it probes ``probe_bins`` bins down. The
-throughput floor ``R >= (1 - delta) * R_best`` gives the lowest frequency worth running::
+each window is one point: busy MHz f, tokens/s R, package watts P, the engine's bytes per token
+B (``gb_per_token``; R1's reasoning grows the KV cache, so B rises as a decode goes on) and
+whether the clock ran *free* (no cap of ours held it). Decode time per token is memory time,
+proportional to the bytes, plus compute time: over the recent points it fits
+``1/R = a β + b/f`` (β = B / B now) by least squares — two regressors, no intercept, so a growing
+KV cache moves the points along β and is not read as a loss. Natural variation counts (a PL2
+budget running out, the hardware's own throttling, a probe). The floor is relative to what the
+package sustains now: the clock it runs free (the latest free window: after a PL2 burst, after
+the die warmed) at today's bytes per token::
 
-    f_energy = b / (1 / ((1 - delta) * R_best) - a)          (the top when the floor is unreachable)
+    f_energy = b / ((a + b / f_free) / (1 - delta) - a)
 
-Power rises with f faster than tokens/s, so that lowest f is also the cheapest per token; a
-window that lands under the floor is a point like any other and moves the fit back up, and the
-ceiling never again goes at or under a ceiling that broke the floor (until the next decode).
+Power rises with f faster than tokens/s, so that lowest f is also the cheapest per token. With no
+spread in f it probes ``probe_bins`` bins under the free clock; while the evidence keeps the
+ceiling more than a bin over the fit's own answer it probes again at that answer every
+``reprobe_s``. A window under the floor is a point like any other and moves the fit back up, and
+the ceiling never again goes at or under a ceiling that broke the floor (until the workload
+changes: new threads, or the bytes per token moving by a quarter).
 
 Noise: a real engine's tokens/s moves a few per cent from sample to sample. Each window carries
-the standard error of its mean (``se``); the best tokens/s is the best ``R - 2 se`` (the best of
-many noisy windows is not the best decode), a window breaks the floor only when ``R + 2 se`` is
-under it, and ``f_energy`` uses the slope two standard errors steeper (``se_b``: from the
-scatter about the line or the windows' own noise, the larger), turned about the points' centre.
-So a ceiling goes only as low as the evidence carries; with exact readings only the scatter of
-the decode curve about ``1/R = a + b/f`` widens it (a point or two of J/token on a sharp knee).
+the standard error of its mean (``se``); a window breaks the floor only when ``R + 2 se`` is under
+it, and ``f_energy`` uses the slope two standard errors steeper (``se_b``: from the scatter about
+the fit or the windows' own noise, the larger), turned about the points' centre.
 
 Thermal guard
 -------------
-The limit is ``limit_temp_c`` or the machine's TjMax minus the TCC offset (or 95 °C); the set
-point is ``limit_margin_c`` under it. Since the last change the temperature is fitted as a first
+The limit is ``limit_temp_c``, or the machine's TjMax minus the TCC offset. Where neither is known
+(AMD: the Tctl limit belongs to the SMU and is not readable) there is no predictive guard — the
+firmware holds its own limit with a smooth slope, and a guessed limit under it only costs
+tokens/s — until the limit shows itself: the free clock falling a bin or more while the
+temperature stands at its highest; that temperature is then the limit. The set point is
+``limit_margin_c`` under the limit. Since the last change the temperature is fitted as a first
 order lag, ``T[k+1] = alpha T[k] + c``: ``T_ss = c / (1 - alpha)``, ``tau = -dt / ln(alpha)``,
 and the time to the set point ``t_hit = tau ln((T_ss - T) / (T_ss - T_set))``. When ``t_hit`` is
-under ``horizon_s`` (or the package is already there) the power that would settle at the set point
-is ``P_set = P_base + (P - P_base) (T_set - T_base) / (T_ss - T_base)`` (``T_base``/``P_base``:
-the idle package before decode), and the frequency for it comes from ``P ~ p0 + k f^2.5``; with
-more than a quarter of the horizon left the cut is one bin and the next decision sees a fresh fit
-(a fit over a short stretch takes the die and the heat sink's slow rise for one lag and
-overshoots ``T_ss``). Hardware throttle evidence (throttle time rising, thermal limit-reason
-bits) lowers the ceiling one bin under the busy frequency at once (the guard was late), never
-more than ``max_move_bins`` under the ceiling in force: under an external PROCHOT# the busy
-frequency is the floor clock's. The guard is relaxed a bin at a
-time while the temperature predicted one bin up stays under the set point, at most one bin per
-``horizon_s / 2``: the heat over the idle package is taken as proportional to the power over it,
-and the power one bin up comes from the measured windows' slope dP/df (``(f'/f)^2.5`` of the
-dynamic power when they do not span a bin). The set point sits ``limit_margin_c`` (1.5 °C)
-under the limit: over a 1 °C sensor reading and the TCC's own hysteresis (0.5–2 °C), and every
-degree further under costs frequency on a plant the heat limits (about 25 MHz a degree on the
-ensemble's heat sinks). The ceiling applied is
-``min(f_energy, f_thermal)``, in whole bins of ``step_mhz``.
+under ``horizon_s`` (or the package is already there) the power that would settle at the set
+point is ``P_set = P_base + (P - P_base) (T_set - T_base) / (T_ss - T_base)`` (``T_base``/
+``P_base``: the idle package before decode) and the target is the frequency for it on the
+package's measured power curve. With more than a quarter of the horizon left the cut is one bin
+and the next decision sees a fresh fit. Where the temperature has not yet curved (no lag fits)
+only a straight-line reach under a quarter of the horizon is acted on, one bin at a time: a long
+straight rise is usually a big heat sink that settles before the limit. Hardware throttle evidence
+(throttle time rising, thermal limit-reason bits) lowers the target one bin under the busy
+frequency at once, never more than ``max_move_bins`` under the cap in force. Cuts start from the
+clock the package really runs (the busy frequency), not from the one-core maximum turbo above
+it. The guard is relaxed a bin at a time while the temperature predicted one bin up stays a
+sensor step (1 °C) under the set point, at most one bin per ``horizon_s / 2``.
+
+The PL1 actuator
+----------------
+Where there is no frequency ceiling, the same target frequency is turned into watts on the
+package's measured power curve (``P = P_idle + k f^e``, ``e`` fitted from the windows once they
+span a bin, else ``POWER_EXPONENT``), and PL1 moves toward it by at most ``pl1_step_percent`` of
+the firmware's PL1 per move, one move per ``dwell_s``; it rises back the same way when the reason
+is gone, and is released at the firmware's value. With several packages each gets the share of
+the cap its own power draws. A PL1 that reads back other than written is never used again.
 
 Counters that jump when a CPU comes online (its boot-time throttle counts) are rebased, not read
 as throttling.
@@ -69,14 +81,24 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 
 STATES = ("none", "learning", "efficient", "mitigating", "throttling", "recovering")
 RUNGS = ("freq_ceiling", "rapl_pl1")
-URGENT_FRACTION = 0.25          # t_hit under this share of the horizon: cut at once
-POWER_EXPONENT = 2.5            # dynamic power ~ V(f)^2 f with V rising with f
-DEFAULT_LIMIT_C = 95.0
+# t_hit under this share of the horizon: cut to the fitted power at once. A first-order fit over a
+# short stretch takes the die's and the heat sink's lags for one and overshoots T_ss (the plant's
+# two nodes: 1.6 s and 156 s on the calibrated Xeon), so with time left one bin and a fresh fit.
+URGENT_FRACTION = 0.25
+# Dynamic power ~ C V(f)^2 f with V rising about linearly with f over the DVFS range: between
+# f^2 (V flat) and f^3 (V proportional to f); the prior until the windows span a bin and give
+# the package's own exponent.
+POWER_EXPONENT = 2.5
+# The relax must leave the temperature a sensor step under the set point: coretemp reports whole
+# degrees, so a prediction within 1 °C of the set point is not evidence that one bin up is safe.
+RELAX_MARGIN_C = 1.0
+# Bytes per token moving by this share is a new workload (another model, batch or context).
+WORKLOAD_CHANGE = 0.25
 
 
 @dataclass(frozen=True)
@@ -99,10 +121,11 @@ class EfficiencyConfig:
     """The profile's ``[mitigation]`` section: every field is a key (see `settings`)."""
 
     enabled: bool = _setting(True, "run the controller")
-    delta_percent: float = _setting(2.0, "sustained tokens/s may fall this far below the best "
-                                    "this decode showed", 0.0, 50.0, "%")
+    delta_percent: float = _setting(2.0, "tokens/s may fall this far below what the package "
+                                    "sustains without the controller", 0.0, 50.0, "%")
     limit_temp_c: float = _setting(0.0, "thermal limit; 0 = the hardware's TjMax minus the TCC "
-                                   "offset (95 °C where unknown)", 0.0, 125.0, "°C")
+                                   "offset (where unknown, as on AMD, learned when the firmware "
+                                   "first holds the clock)", 0.0, 125.0, "°C")
     limit_margin_c: float = _setting(1.5, "hold the package this far under the limit", 0.0,
                                      30.0, "°C")
     horizon_s: float = _setting(60.0, "act when the limit is predicted sooner than this", 0.0,
@@ -113,8 +136,10 @@ class EfficiencyConfig:
                                120.0, "s")
     dwell_s: float = _setting(10.0, "one measuring window", 1.0, 600.0, "s")
     step_mhz: float = _setting(100.0, "one frequency bin", 10.0, 1000.0, "MHz")
-    probe_bins: int = _setting(2, "a probe goes this many bins under the busy frequency", 1, 20,
-                               "bins")
+    probe_bins: int = _setting(2, "the first probe goes this many bins under the free clock", 1,
+                               20, "bins")
+    reprobe_s: float = _setting(120.0, "while noise holds the ceiling over the fit's answer, "
+                                "probe at that answer again after this", 10.0, 3600.0, "s")
     max_move_bins: int = _setting(6, "one move changes the ceiling by at most this", 1, 100,
                                   "bins")
     fit_points: int = _setting(6, "recent windows the fit uses", 2, 100, "windows")
@@ -125,6 +150,8 @@ class EfficiencyConfig:
     pl1: bool = _setting(True, "cap PL1 (never above the firmware's) where there is no "
                          "frequency ceiling")
     pl1_min_w: float = _setting(10.0, "a PL1 cap never goes under this", 1.0, 5000.0, "W")
+    pl1_step_percent: float = _setting(10.0, "one PL1 move changes the cap by at most this share "
+                                       "of the firmware's PL1", 1.0, 100.0, "%")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -190,9 +217,19 @@ class Observation:
     pkg_power_packages_w: tuple | None = None     # per package (two sockets or more)
     pl1_packages_w: tuple | None = None           # read back, per package
     pl1_firmware_packages_w: tuple | None = None  # the firmware's, per package
+    gb_per_token: float | None = None      # bytes the engine reads per token (weights + KV)
 
 
-Point = tuple[float, float, float, float]      # busy MHz, tokens/s, watts, tokens/s std. error
+class Point(NamedTuple):
+    """One measuring window's means."""
+
+    f: float        # busy MHz
+    r: float        # tokens/s
+    p: float        # package watts
+    se: float       # standard error of r
+    gb: float       # bytes per token (1.0 where the engine does not say)
+    free: bool      # no cap of ours held the clock
+    sustained: bool  # free, or held by the thermal guard alone: what the package sustains
 
 
 @dataclass
@@ -203,44 +240,82 @@ class _Window:
     r: float = 0.0
     r2: float = 0.0
     p: float = 0.0
+    gb: float = 0.0
+    free: bool = True
+    sustained: bool = True
 
-    def add(self, o: Observation) -> None:
+    def add(self, o: Observation, free: bool, sustained: bool) -> None:
         self.n += 1
         self.f += o.busy_mhz or 0.0
         self.r += o.tokens_per_s or 0.0
         self.r2 += (o.tokens_per_s or 0.0) ** 2
         self.p += o.pkg_power_w or 0.0
+        self.gb += o.gb_per_token or 1.0
+        self.free = self.free and free
+        self.sustained = self.sustained and sustained
 
     def point(self) -> Point:
         """The window's means and the standard error of its tokens/s (0 from a single sample)."""
         mean = self.r / self.n
         var = max(0.0, self.r2 / self.n - mean * mean) * self.n / (self.n - 1) \
             if self.n > 1 else 0.0
-        return self.f / self.n, mean, self.p / self.n, math.sqrt(var / self.n)
+        return Point(self.f / self.n, mean, self.p / self.n, math.sqrt(var / self.n),
+                     self.gb / self.n, self.free, self.sustained)
+
+
+class Fit(NamedTuple):
+    """``1/R = a β + b/f`` (f in MHz, β = bytes per token over today's)."""
+
+    a: float
+    b: float
+    se_b: float
+    centre: float       # the points' mean 1/f per unit β: the slope turns about it
+
+    def seconds(self, mhz: float, beta: float = 1.0) -> float:
+        """Predicted time per token at ``mhz`` and ``beta``."""
+        return self.a * beta + self.b / mhz
+
+    def steeper(self, sigmas: float = 2.0) -> Fit:
+        """The slope ``sigmas`` standard errors steeper, turned about the centre."""
+        return Fit(self.a - sigmas * self.se_b * self.centre, self.b + sigmas * self.se_b,
+                   self.se_b, self.centre)
 
 
 def _watts(values: list[float]) -> str:
     return "+".join(f"{v:.0f}" for v in values) + " W"
 
 
-def fit_inverse(points: list[Point]) -> tuple[float, float, float, float] | None:
-    """Least squares of ``1/R = a + b/f`` (f in MHz): ``(a, b, se_b, mean of 1/f)``, ``se_b``
-    the standard error of ``b`` from the scatter about the line or the windows' own noise,
-    whichever is larger; None without a spread of at least 1 %."""
-    use = [(f, r, se) for f, r, _, se in points if f > 0 and r > 0]
-    xs = [1.0 / f for f, _, _ in use]
-    ys = [1.0 / r for _, r, _ in use]
-    line = least_squares(xs, ys) if len(xs) >= 2 and max(xs) >= min(xs) * 1.01 else None
-    if line is None:
+def fit_inverse(points: list[Point], gb_now: float | None = None) -> Fit | None:
+    """Least squares of ``1/R = a β + b/f`` over ``points`` (β = the point's bytes per token over
+    ``gb_now``, the last point's by default); ``se_b`` from the scatter about the fit or the
+    windows' own noise, whichever is larger. None without a spread of about 1 % in 1/f beyond
+    what β explains."""
+    use = [pt for pt in points if pt.f > 0 and pt.r > 0]
+    if len(use) < 2:
         return None
-    mx, my, b = line
-    sxx = sum((x - mx) ** 2 for x in xs)
-    noise = sum((se / r ** 2) ** 2 for _, r, se in use) / len(use)      # var(1/R) of a window
+    now = gb_now or use[-1].gb
+    bs = [pt.gb / now for pt in use]
+    xs = [1.0 / pt.f for pt in use]
+    ys = [1.0 / pt.r for pt in use]
+    sbb = sum(b * b for b in bs)
+    sbx = sum(b * x for b, x in zip(bs, xs))
+    sxx = sum(x * x for x in xs)
+    perp = sxx - sbx * sbx / sbb              # x's spread beyond what β explains
+    mean_x = sum(xs) / len(xs)
+    if perp <= len(xs) * (0.004 * mean_x) ** 2:
+        return None
+    sby = sum(b * y for b, y in zip(bs, ys))
+    sxy = sum(x * y for x, y in zip(xs, ys))
+    det = sbb * sxx - sbx * sbx
+    b = (sbb * sxy - sbx * sby) / det
+    a = (sxx * sby - sbx * sxy) / det
+    if b < 0:                    # more frequency never slows decode: noise, not physics
+        b, a = 0.0, sby / sbb
+    noise = sum((pt.se / pt.r ** 2) ** 2 for pt in use) / len(use)      # var(1/R) of a window
     if len(use) > 2:
-        a0 = my - b * mx
-        noise = max(noise, sum((y - a0 - b * x) ** 2 for x, y in zip(xs, ys)) / (len(use) - 2))
-    b = max(0.0, b)             # more frequency never slows decode: noise, not physics
-    return my - b * mx, b, math.sqrt(noise / sxx), mx
+        scatter = sum((y - a * bb - b * x) ** 2 for bb, x, y in zip(bs, xs, ys)) / (len(use) - 2)
+        noise = max(noise, scatter)
+    return Fit(a, b, math.sqrt(noise * sbb / det), sbx / sbb)
 
 
 def least_squares(xs: list[float], ys: list[float],
@@ -268,17 +343,23 @@ class EfficiencyController:
         self._steady_since: float | None = None
         self._idle_since: float | None = None
         self._threads: int | None = None
+        self._gb: float | None = None             # bytes per token the points are learned at
         self._changed_s = -math.inf
         self._window: _Window | None = None
         self._points: deque[Point] = deque(maxlen=self.config.fit_points)
-        self._r_best = 0.0
-        self._bad_mhz = 0.0                     # a ceiling at or under this broke the floor
+        self._free_mhz: float | None = None       # the clock the package runs with no cap of ours
+        # windows at what the package sustains (free, or held by the thermal guard alone)
+        self._sustained: deque[Point] = deque(maxlen=self.config.fit_points)
+        self._bad_mhz = 0.0                       # a ceiling at or under this broke the floor
         self._temps: list[tuple[float, float]] = []
         self._base: tuple[float, float] | None = None   # (T, P) idle before decode
+        self._learned_limit_c: float | None = None
         self._thermal_mhz: float | None = None
         self._energy_mhz: float | None = None
         self._probing = False
-        self._fitted = False
+        self._probed_s: float | None = None
+        self._fit: Fit | None = None
+        self._asked_mhz: float | None = None      # a one-bin move the last window asked for
         self._refused: set[str] = set()          # actuators the machine would not take
 
     # -- the step ----------------------------------------------------------------------------
@@ -289,9 +370,8 @@ class EfficiencyController:
         if rung in self.active:
             self.active.remove(rung)
         self.params.pop(rung, None)
-        if rung == "freq_ceiling":
-            self._energy_mhz = self._thermal_mhz = None
-            self._probing = False
+        self._energy_mhz = self._thermal_mhz = None
+        self._probing = False
 
     def step(self, o: Observation) -> list[Action]:
         """Take one sample; return the actions to apply now (possibly none)."""
@@ -309,12 +389,10 @@ class EfficiencyController:
                                             "ago")
         else:
             self._idle_since = None
-            if self._steady_since is None or o.threads != self._threads:
+            if self._steady_since is None or o.threads != self._threads or self._new_workload(o):
                 self._steady_since, self._threads = o.time_s, o.threads
                 self._window, self._temps = None, []
-                self._points.clear()
-                self._r_best, self._bad_mhz = 0.0, 0.0
-                self._fitted = False
+                self._forget()
             if cfg.enabled:
                 actions = self._decide(o, throttled)
         self._prev = o
@@ -322,6 +400,23 @@ class EfficiencyController:
         for a in actions:
             self.history.append((o.time_s, a))
         return actions
+
+    def _forget(self) -> None:
+        """A new workload: what was learned of the decode curve no longer holds."""
+        self._points.clear()
+        self._free_mhz, self._bad_mhz = None, 0.0
+        self._sustained.clear()
+        self._fit: Fit | None = None
+        self._probed_s = None
+
+    def _new_workload(self, o: Observation) -> bool:
+        if o.gb_per_token is None:
+            return False
+        if self._gb is None or abs(o.gb_per_token / self._gb - 1) >= WORKLOAD_CHANGE:
+            changed = self._gb is not None
+            self._gb = o.gb_per_token
+            return changed
+        return False
 
     def _decoding(self, o: Observation) -> bool:
         cfg = self.config
@@ -345,6 +440,79 @@ class EfficiencyController:
         bits = o.limit_reasons is not None and bool(o.limit_reasons & 0b11)
         return rising or bits
 
+    # -- measuring ---------------------------------------------------------------------------
+
+    def _ceiling_actuator(self, o: Observation) -> bool:
+        return bool(o.max_mhz) and "freq_ceiling" not in self._refused
+
+    def _held(self, o: Observation) -> bool:
+        """A cap of ours holds the clock now (the busy frequency is at it)."""
+        step = self.config.step_mhz
+        if "freq_ceiling" in self.active and o.busy_mhz is not None:
+            return o.busy_mhz >= self.params["freq_ceiling"]["mhz"] - step / 2
+        if "rapl_pl1" in self.active and o.pkg_power_w is not None:
+            return o.pkg_power_w >= 0.97 * _total(self.params["rapl_pl1"]["pl1_w"])
+        return False
+
+    def _measure(self, o: Observation) -> bool:
+        """Add ``o`` to the open window; True when that completed a window (a new point)."""
+        cfg = self.config
+        if self._window is None:
+            self._window = _Window(o.time_s)
+        held = self._held(o)
+        thermal_holds = self._thermal_mhz is not None and \
+            (self._energy_mhz is None or self._energy_mhz >= self._thermal_mhz)
+        self._window.add(o, not held, not held or thermal_holds)
+        period = o.time_s - self._prev.time_s if self._prev is not None else 1.0
+        if o.time_s - self._window.start_s + period + 1e-9 < cfg.dwell_s:
+            return False
+        point = self._window.point()
+        self._window = None
+        self._points.append(point)
+        if point.sustained:
+            if self._sustained and abs(self._sustained[-1].f - point.f) >= cfg.step_mhz / 2:
+                self._sustained.clear()       # it moved: PL2 ran out, the die warmed, the guard
+            self._sustained.append(point)
+        if point.free:
+            self._free_mhz = point.f
+            self._learn_limit(o, point)
+        elif "freq_ceiling" in self.active:
+            fit = fit_inverse(list(self._points), o.gb_per_token)
+            floor = self._floor(fit, point.gb)
+            if floor is not None and point.r + 2 * point.se < floor:
+                self._bad_mhz = max(self._bad_mhz, self.params["freq_ceiling"]["mhz"])
+        return True
+
+    def _floor(self, fit: Fit | None, gb: float) -> float | None:
+        """The tokens/s decode must keep at ``gb`` bytes per token: ``1 - delta`` of what the
+        package sustains — the latest windows at the free clock, or at the thermal guard's
+        where it holds the clock (their mean, less two standard errors), carried by the fit to
+        today's bytes per token and the guard's frequency now."""
+        if not self._sustained:
+            return None
+        at = min(x for x in (self._free_mhz, self._thermal_mhz) if x is not None)
+        rates = []
+        for pt in self._sustained:
+            scale = 1.0
+            if fit is not None:
+                scale = fit.seconds(pt.f, pt.gb / gb) / fit.seconds(at)
+            rates.append(pt.r * scale)
+        mean = sum(rates) / len(rates)
+        se = math.sqrt(sum(pt.se ** 2 for pt in self._sustained)) / len(self._sustained)
+        return (1 - self.config.delta_percent / 100) * (mean - 2 * se)
+
+    def _learn_limit(self, o: Observation, point: Point) -> None:
+        """Where the limit is unreadable: the free clock falling a bin or more while the
+        temperature stands at its highest is the firmware holding it."""
+        if self._limit_known(o) or len(self._points) < 2 or not self._temps:
+            return
+        before = [pt for pt in list(self._points)[:-1] if pt.free]
+        hottest = max(t for _, t in self._temps)
+        recent = [t for s, t in self._temps if s >= o.time_s - self.config.dwell_s]
+        if before and before[-1].f - point.f >= self.config.step_mhz and recent and \
+                max(recent) - min(recent) <= 1.0 and min(recent) >= hottest - 1.0:
+            self._learned_limit_c = max(recent)
+
     # -- deciding ----------------------------------------------------------------------------
 
     def _decide(self, o: Observation, throttled: bool) -> list[Action]:
@@ -352,20 +520,16 @@ class EfficiencyController:
         settled = o.time_s - self._changed_s >= cfg.settle_s
         completed = False
         if settled:
-            completed = self._measure(o)
             if o.pkg_temp_c is not None:
                 self._temps.append((o.time_s, o.pkg_temp_c))
                 del self._temps[:-600]
+            completed = self._measure(o)
         if o.time_s - self._steady_since < cfg.steady_s:
             return []
-        if not o.max_mhz or "freq_ceiling" in self._refused:   # no ceiling to set: PL1 only
-            return self._pl1_guard(o, throttled)
+        if not self._ceiling_actuator(o):
+            return self._pl1_guard(o, throttled, settled, completed)
         if throttled and o.busy_mhz is not None and o.time_s - self._changed_s >= 1.0:
-            # under a floor clamp (PROCHOT#) the busy clock is the floor's: never more than
-            # one move's worth under the ceiling in force
-            applied = self._applied_mhz(o)
-            self._thermal_mhz = self._bin_down(max(min(o.busy_mhz, applied) - cfg.step_mhz,
-                                                   applied - cfg.max_move_bins * cfg.step_mhz), o)
+            self._throttle_cut(o)
             return self._move(o, "the hardware throttled (throttle time or thermal limit bits): "
                                  "one bin under the busy frequency, at most "
                                  f"{cfg.max_move_bins} bins under the ceiling")
@@ -377,94 +541,135 @@ class EfficiencyController:
             return []
         return self._move(o, "; ".join(n for n in (thermal_note, energy_note) if n))
 
-    def _measure(self, o: Observation) -> bool:
-        """Add ``o`` to the open window; True when that completed a window (a new point)."""
+    def _throttle_cut(self, o: Observation) -> None:
+        # under a floor clamp (PROCHOT#) the busy clock is the floor's: never more than one
+        # move's worth under the cap in force
         cfg = self.config
-        if self._window is None:
-            self._window = _Window(o.time_s)
-        self._window.add(o)
-        period = o.time_s - self._prev.time_s if self._prev is not None else 1.0
-        if o.time_s - self._window.start_s + period + 1e-9 >= cfg.dwell_s:
-            point = self._window.point()
-            self._points.append(point)
-            _, r, _, se = point
-            # two standard errors: the best of many noisy windows is not the best decode
-            self._r_best = max(self._r_best, r - 2 * se)
-            floor = (1 - cfg.delta_percent / 100) * self._r_best
-            if r + 2 * se < floor and "freq_ceiling" in self.active:
-                self._bad_mhz = max(self._bad_mhz, self.params["freq_ceiling"]["mhz"])
-            self._window = None
-            return True
-        return False
+        assert o.busy_mhz is not None
+        applied = self._in_force(o)
+        self._thermal_mhz = self._bin_down(max(min(o.busy_mhz, applied) - cfg.step_mhz,
+                                               applied - cfg.max_move_bins * cfg.step_mhz), o)
 
-    def _applied_mhz(self, o: Observation) -> float:
-        if "freq_ceiling" in self.active:
-            return float(self.params["freq_ceiling"]["mhz"])
-        return float(o.max_mhz or 0.0)
+    def _top(self, o: Observation) -> float:
+        return float(o.max_mhz) if o.max_mhz else self._free_mhz or o.busy_mhz or 0.0
+
+    def _in_force(self, o: Observation) -> float:
+        """The lowest of our caps, the top, and the free clock (where the package runs)."""
+        held = [x for x in (self._energy_mhz, self._thermal_mhz) if x is not None]
+        free = [self._bin_up(self._free_mhz)] if self._free_mhz is not None else []
+        return min(held + free + [self._top(o)])
+
+    def _target_mhz(self, o: Observation) -> float:
+        """The frequency our caps aim at now: the lowest of them, and never over the clock the
+        package runs (a cut from the one-core turbo above it would not bind)."""
+        held = [x for x in (self._energy_mhz, self._thermal_mhz) if x is not None]
+        running = o.busy_mhz if o.busy_mhz is not None else self._top(o)
+        return min(held + [self._bin_up(running), self._top(o)])
 
     def _bin_down(self, mhz: float, o: Observation) -> float:
         step = self.config.step_mhz
         lo = o.min_mhz or step
         return max(lo, math.floor(mhz / step + 1e-9) * step)
 
-    def _energy(self, o: Observation) -> str | None:
-        """Update the energy ceiling from the fit (or probe); a note when it changed."""
-        cfg = self.config
-        if not self._points:
-            return None
-        fit = fit_inverse(list(self._points))
-        top = float(o.max_mhz)
-        delta = cfg.delta_percent / 100
-        if fit is None:
-            if self._energy_mhz is not None or self._probing or self._fitted:
-                return None                   # one probe a decode; a verdict stands
-            f, r, _, _ = self._points[-1]
-            self._probing = True
-            self._energy_mhz = self._bin_down(f - cfg.probe_bins * cfg.step_mhz, o)
-            return (f"probe: {self._energy_mhz:.0f} MHz, {cfg.probe_bins} bins under the busy "
-                    f"{f:.0f} MHz at {r:.2f} tok/s, to learn how decode answers frequency")
-        self._probing = False
-        self._fitted = True
-        a, b, se_b, mx = fit
-        # the slope two standard errors steeper, turned about the points' centre: a ceiling
-        # only as low as the evidence carries when tokens/s is noisy (exact data: the fit)
-        b_hi = b + 2 * se_b
-        a_hi = a - 2 * se_b * mx
-        denom = 1.0 / ((1 - delta) * self._r_best) - a_hi
-        if denom <= 0:
-            want = top                        # the floor needs more than the top can give
-        else:
-            want = b_hi / denom               # 0 when decode ignores frequency entirely
-        want = min(top, max(want, self._bad_mhz + cfg.step_mhz))
-        want = math.ceil(want / cfg.step_mhz - 1e-9) * cfg.step_mhz
-        want = max(o.min_mhz or cfg.step_mhz, min(top, want))
-        reach = max(f for f, *_ in self._points)
-        current = self._energy_mhz if self._energy_mhz is not None else top
-        if want >= reach - cfg.step_mhz / 2 or \
-                (self._energy_mhz is None and want > reach - cfg.probe_bins * cfg.step_mhz):
-            # a ceiling at or over where the clock runs would not bind; a new one must be
-            # worth an action (probe_bins under the clock)
-            want = top
-        limit = cfg.max_move_bins * cfg.step_mhz
-        want = max(current - limit, min(current + limit, want))
-        if abs(want - current) < cfg.step_mhz / 2:
-            return None
-        self._energy_mhz = want
-        elasticity = b / (a * o.busy_mhz + b) if (a * o.busy_mhz + b) > 0 else 0.0
-        return (f"energy: {want:.0f} MHz keeps tokens/s within {cfg.delta_percent:g} % of the "
-                f"best {self._r_best:.2f} (fit 1/R = {a:.4g} + {b:.4g}/f, elasticity "
-                f"{elasticity:.2f} at {o.busy_mhz:.0f} MHz)")
+    def _bin_up(self, mhz: float) -> float:
+        step = self.config.step_mhz
+        return math.ceil(mhz / step - 1e-6) * step
 
-    def _limit_c(self, o: Observation) -> float:
+    def _energy(self, o: Observation) -> str | None:
+        """Update the energy target from the fit (or probe); a note when it changed."""
+        cfg = self.config
+        if not self._points or self._free_mhz is None:
+            return None
+        fit = fit_inverse(list(self._points), o.gb_per_token) or self._fit
+        free = self._free_mhz
+        if fit is None:
+            if self._energy_mhz is not None or self._probing:
+                return None
+            return self._probe(o, self._bin_down(free - cfg.probe_bins * cfg.step_mhz, o),
+                               f"{cfg.probe_bins} bins under the free {free:.0f} MHz")
+        self._probing = False
+        self._fit = fit                       # held windows show no spread: the last fit stands
+        floor = self._floor(fit, o.gb_per_token or self._points[-1].gb)
+        if floor is None:
+            return None
+        nominal = self._lowest_mhz(fit, floor, o)
+        want = self._lowest_mhz(fit.steeper(), floor, o)
+        # no further than a probe's depth under the lowest clock measured: a decode curve can
+        # bend (a memory knee) where no window has looked
+        lowest = min(pt.f for pt in self._points)
+        depth = cfg.probe_bins * cfg.step_mhz
+        nominal, want = (max(x, self._bin_down(lowest - depth, o)) for x in (nominal, want))
+        if self._probed_s is not None and want - nominal >= cfg.step_mhz and \
+                o.time_s - self._probed_s >= cfg.reprobe_s and nominal < free - cfg.step_mhz / 2:
+            return self._probe(o, nominal, "the fit's own answer, to narrow its slope")
+        if want >= free - cfg.step_mhz / 2 or \
+                (self._energy_mhz is None and want > free - cfg.probe_bins * cfg.step_mhz):
+            # a ceiling at or over the free clock would not bind; a first one must be worth
+            # an action (as deep as a probe)
+            want = self._top(o)
+        limit = cfg.max_move_bins * cfg.step_mhz
+        previous = self._energy_mhz
+        if previous is None:
+            if want >= self._top(o):
+                return None
+            want = max(self._bin_up(free) - limit, want)       # moves start where the clock runs
+        else:
+            want = max(previous - limit, min(previous + limit, want))
+            if want >= self._bin_up(free):
+                want = self._top(o)                             # it would no longer bind
+            if abs(want - previous) < cfg.step_mhz / 2:
+                return None
+            if abs(want - previous) < cfg.step_mhz * 1.5 and want != self._asked_mhz:
+                # one bin either way is within a noisy fit's reach: move when two windows
+                # in a row ask for it
+                self._asked_mhz = want
+                return None
+        self._asked_mhz = None
+        self._energy_mhz = None if want >= self._top(o) else want
+        elasticity = fit.b / (fit.a * free + fit.b) if (fit.a * free + fit.b) > 0 else 0.0
+        return (f"energy: {want:.0f} MHz keeps tokens/s over {floor:.2f}, within "
+                f"{cfg.delta_percent:g} % of the free {free:.0f} MHz's (fit 1/R = {fit.a:.4g} β "
+                f"+ {fit.b:.4g}/f, elasticity {elasticity:.2f} there)")
+
+    def _lowest_mhz(self, fit: Fit, floor: float, o: Observation) -> float:
+        """The lowest whole bin keeping tokens/s over ``floor`` by ``fit`` at today's bytes per
+        token; never at or under a ceiling that broke the floor."""
+        cfg = self.config
+        denom = 1.0 / floor - fit.a
+        want = fit.b / denom if denom > 0 else self._top(o)
+        want = max(want, self._bad_mhz + cfg.step_mhz, o.min_mhz or cfg.step_mhz)
+        return min(self._top(o), self._bin_up(want))
+
+    def _probe(self, o: Observation, mhz: float, where: str) -> str:
+        self._probing = True
+        self._probed_s = o.time_s
+        self._energy_mhz = mhz
+        return f"probe: {mhz:.0f} MHz, {where}, to learn how decode answers frequency"
+
+    def _limit_known(self, o: Observation) -> bool:
+        return self.config.limit_temp_c > 0 or o.limit_temp_c is not None
+
+    def _limit_c(self, o: Observation) -> float | None:
         cfg = self.config
         if cfg.limit_temp_c > 0:
             return cfg.limit_temp_c
-        return o.limit_temp_c if o.limit_temp_c is not None else DEFAULT_LIMIT_C
+        return o.limit_temp_c if o.limit_temp_c is not None else self._learned_limit_c
+
+    def _set_c(self, o: Observation) -> float | None:
+        limit = self._limit_c(o)
+        if limit is None:
+            return None
+        if not self._limit_known(o):
+            return limit        # learned where the firmware holds the clock: that is its own set point
+        return limit - self.config.limit_margin_c
 
     def predict(self, o: Observation) -> tuple[float, float] | None:
-        """(T_ss, t_hit) from the first-order fit since the last change, or None."""
+        """(T_ss, t_hit) from the first-order fit since the last change, or None (no limit
+        known, too few samples). T_ss is inf where the rise has not curved yet (t_hit then comes
+        from the straight line)."""
         recent = [(s, t) for s, t in self._temps if s > self._changed_s]
-        if len(recent) < 8 or o.pkg_temp_c is None:
+        t_set = self._set_c(o)
+        if len(recent) < 8 or o.pkg_temp_c is None or t_set is None:
             return None
         period = (recent[-1][0] - recent[0][0]) / (len(recent) - 1)   # seconds per sample
         if period <= 0:
@@ -476,39 +681,35 @@ class EfficiencyController:
         mx, my, alpha = line
         if not 0.0 < alpha < 0.9999:
             slope = (temps[-1] - temps[0]) / (recent[-1][0] - recent[0][0])   # °C per second
-            return None if slope <= 0 else (math.inf, max(0.0, (self._set_c(o) - o.pkg_temp_c)
-                                                           / slope))
+            return None if slope <= 0 else (math.inf, max(0.0, (t_set - o.pkg_temp_c) / slope))
         c = my - alpha * mx
         t_ss = c / (1 - alpha)
         tau = -period / math.log(alpha)
-        t_set = self._set_c(o)
         if o.pkg_temp_c >= t_set:
             return t_ss, 0.0
         if t_ss <= t_set:
             return t_ss, math.inf
         return t_ss, tau * math.log((t_ss - o.pkg_temp_c) / (t_ss - t_set))
 
-    def _set_c(self, o: Observation) -> float:
-        return self._limit_c(o) - self.config.limit_margin_c
-
     def _thermal(self, o: Observation) -> str | None:
         cfg = self.config
         got = self.predict(o)
-        if got is None or o.pkg_power_w is None or o.busy_mhz is None:
+        t_set = self._set_c(o)
+        if got is None or t_set is None or o.pkg_power_w is None or o.busy_mhz is None:
             return None
         t_ss, t_hit = got
-        t_set = self._set_c(o)
-        if t_hit < cfg.horizon_s:
-            # a fit over a short stretch sees the die and the sink's slow rise as one lag and
-            # overshoots T_ss: with time left, one bin and a fresh fit; a big cut only when close
-            bins = cfg.max_move_bins if t_hit < cfg.horizon_s * URGENT_FRACTION else 1
-            scale = self._dynamic_scale(o, t_ss)
-            want = self._bin_down(o.busy_mhz * scale ** (1 / POWER_EXPONENT), o)
-            want = max(want, self._applied_mhz(o) - bins * cfg.step_mhz)
+        urgent = t_hit < cfg.horizon_s * URGENT_FRACTION
+        if t_hit < cfg.horizon_s and (math.isfinite(t_ss) or urgent):
+            # a straight rise that has not curved yet is acted on only when close: it is most
+            # often a big heat sink that settles before the limit
+            bins = cfg.max_move_bins if urgent and math.isfinite(t_ss) else 1
+            applied = self._target_mhz(o)
+            want = self._mhz_for_watts(o, self._settling_watts(o, t_ss, t_set))
+            want = max(self._bin_down(want, o), applied - bins * cfg.step_mhz)
             if self._thermal_mhz is not None and want >= self._thermal_mhz:
                 return None
-            if want >= self._applied_mhz(o):
-                want = self._bin_down(self._applied_mhz(o) - cfg.step_mhz, o)
+            if want >= applied:
+                want = self._bin_down(applied - cfg.step_mhz, o)
             self._thermal_mhz = want
             return (f"thermal: {want:.0f} MHz, the package would reach {t_set:.1f} °C in "
                     f"{t_hit:.0f} s (settling at {t_ss:.1f} °C, {o.pkg_power_w:.0f} W)")
@@ -518,52 +719,70 @@ class EfficiencyController:
                 o.time_s - self._changed_s >= cfg.horizon_s / 2:
             up = self._thermal_mhz + cfg.step_mhz
             t_up = self._temp_at(o, t_ss, up)
-            if t_up >= t_set:
+            if t_up >= t_set - RELAX_MARGIN_C:
                 return None
-            self._thermal_mhz = None if up >= float(o.max_mhz) else up
+            running = self._bin_up(self._free_mhz or o.busy_mhz)
+            self._thermal_mhz = None if up >= min(self._top(o), running) else up
             return (f"thermal relaxed: settling at {t_ss:.1f} °C, {t_up:.1f} °C predicted one bin "
                     f"up, under {t_set:.1f} °C")
         return None
 
     def _idle_package(self, o: Observation) -> tuple[float, float]:
-        """(T, P) of the idle package before decode, or a guess where none was seen: 5 °C under
-        the coolest reading, a quarter of today's power."""
+        """(T, P) of the idle package before decode. Where none was seen (the daemon started
+        mid-decode): the coolest reading of this decode less 5 °C and a quarter of today's
+        power, a package's static share at full load on the calibrated plant (60 of 250 W) —
+        erring toward a larger dynamic share, which cuts deeper."""
         assert o.pkg_power_w is not None
-        return self._base or (min(t for _, t in self._temps) - 5.0, 0.25 * o.pkg_power_w)
+        coolest = min((t for _, t in self._temps), default=o.pkg_temp_c or 0.0)
+        return self._base or (coolest - 5.0, 0.25 * o.pkg_power_w)
 
-    def _temp_at(self, o: Observation, t_ss: float, mhz: float) -> float:
-        """Where the package would settle at ``mhz``: the heat over the idle package is taken as
-        proportional to the power over it, and the power at ``mhz`` comes from the measured
-        windows' slope dP/df where they span a bin or more (else ``P ~ f^2.5`` over the idle)."""
-        assert o.pkg_power_w is not None and o.busy_mhz
-        base_t, base_p = self._idle_package(o)
-        now = o.pkg_power_w - base_p
-        if now <= 0:
-            return t_ss
-        pts = [(f, w) for f, _, w, _ in self._points if w > 0]
-        fs = [f for f, _ in pts]
-        line = least_squares(fs, [w for _, w in pts]) \
-            if fs and max(fs) - min(fs) >= self.config.step_mhz * 0.9 else None
-        if line is not None:
-            extra = max(0.0, line[2]) * (mhz - o.busy_mhz)
-        else:
-            extra = now * ((mhz / o.busy_mhz) ** POWER_EXPONENT - 1)
-        return base_t + (t_ss - base_t) * (now + extra) / now
-
-    def _dynamic_scale(self, o: Observation, t_ss: float) -> float:
-        """How much of today's dynamic power (over the idle package's) settles at the set point."""
+    def _settling_watts(self, o: Observation, t_ss: float, t_set: float) -> float:
+        """The package power that settles at ``t_set``: the heat over the idle package is
+        proportional to the power over it."""
         assert o.pkg_power_w is not None and o.pkg_temp_c is not None
         base_t, base_p = self._idle_package(o)
         if not math.isfinite(t_ss):
             t_ss = o.pkg_temp_c + 5.0
-        headroom = max(0.0, (self._set_c(o) - base_t) / max(1e-6, t_ss - base_t))
-        return max(0.0, min(1.0, headroom))
+        share = max(0.0, min(1.0, (t_set - base_t) / max(1e-6, t_ss - base_t)))
+        return base_p + (o.pkg_power_w - base_p) * share
+
+    def _power_curve(self, o: Observation) -> tuple[float, float, float]:
+        """(P_idle, k, e) of ``P = P_idle + k f^e`` through today's power: ``e`` from the
+        windows when they span a bin (their log-log slope), else `POWER_EXPONENT`."""
+        assert o.pkg_power_w is not None and o.busy_mhz
+        _, base_p = self._idle_package(o)
+        pts = [(pt.f, pt.p - base_p) for pt in self._points if pt.p > base_p and pt.f > 0]
+        exponent = POWER_EXPONENT
+        fs = [f for f, _ in pts]
+        if fs and max(fs) - min(fs) >= self.config.step_mhz * 0.9:
+            line = least_squares([math.log(f) for f in fs], [math.log(w) for _, w in pts])
+            if line is not None:
+                exponent = max(1.0, min(4.0, line[2]))
+        dynamic = max(1e-6, o.pkg_power_w - base_p)
+        return base_p, dynamic / o.busy_mhz ** exponent, exponent
+
+    def _mhz_for_watts(self, o: Observation, watts: float) -> float:
+        base_p, k, e = self._power_curve(o)
+        return (max(0.0, watts - base_p) / k) ** (1 / e)
+
+    def _watts_for_mhz(self, o: Observation, mhz: float) -> float:
+        base_p, k, e = self._power_curve(o)
+        return base_p + k * mhz ** e
+
+    def _temp_at(self, o: Observation, t_ss: float, mhz: float) -> float:
+        """Where the package would settle at ``mhz``, on the measured power curve."""
+        assert o.pkg_power_w is not None
+        base_t, base_p = self._idle_package(o)
+        now = o.pkg_power_w - base_p
+        if now <= 0:
+            return t_ss
+        return base_t + (t_ss - base_t) * (self._watts_for_mhz(o, mhz) - base_p) / now
 
     def _move(self, o: Observation, why: str) -> list[Action]:
         cfg = self.config
-        top = float(o.max_mhz)
+        top = float(o.max_mhz or 0.0)
         want = min(x for x in (self._energy_mhz, self._thermal_mhz, top) if x is not None)
-        current = self._applied_mhz(o)
+        current = self.params["freq_ceiling"]["mhz"] if "freq_ceiling" in self.active else top
         if abs(want - current) < cfg.step_mhz / 2:
             return []
         self._changed_s = o.time_s
@@ -578,16 +797,19 @@ class EfficiencyController:
         return [Action("apply", "freq_ceiling", f"ceiling {current:.0f} -> {want:.0f} MHz: {why}",
                        {"mhz": want})]
 
-    def _pl1_guard(self, o: Observation, throttled: bool) -> list[Action]:
-        """No frequency ceiling: hold the thermal limit with PL1, never above the firmware's.
-        With several packages each gets its own cap, from its own power."""
+    # -- the PL1 actuator --------------------------------------------------------------------
+
+    def _pl1_guard(self, o: Observation, throttled: bool, settled: bool,
+                   completed: bool) -> list[Action]:
+        """No frequency ceiling: the same target frequency through PL1, in bounded steps both
+        ways, never above the firmware's. With several packages each gets its share."""
         cfg = self.config
         per_package = (o.pkg_power_packages_w is not None and o.pl1_firmware_packages_w
                        is not None and len(o.pkg_power_packages_w) ==
                        len(o.pl1_firmware_packages_w) > 1)
         firmware = list(o.pl1_firmware_packages_w) if per_package else \
             [o.pl1_firmware_w] if o.pl1_firmware_w is not None else None
-        if not cfg.pl1 or firmware is None or o.pkg_power_w is None:
+        if not cfg.pl1 or firmware is None or o.pkg_power_w is None or o.busy_mhz is None:
             return []
         powers = list(o.pkg_power_packages_w) if per_package else [o.pkg_power_w]
         read = list(o.pl1_packages_w or []) if per_package else \
@@ -597,35 +819,70 @@ class EfficiencyController:
         if wrote is not None and len(read) == len(wrote) and o.time_s - self._changed_s >= 1.0 \
                 and any(abs(r - w) > 1.0 for r, w in zip(read, wrote)):
             # read back: the firmware ignores PL1 writes; stop using it (no limit cycle)
-            self._refused.add("rapl_pl1")
-            self.active.remove("rapl_pl1")
-            self.params.pop("rapl_pl1")
+            self.refuse("rapl_pl1")
             return [Action("release", "rapl_pl1", f"PL1 reads back {_watts(read)}, not the "
                            f"{_watts(wrote)} written: the firmware ignores it")]
         if "rapl_pl1" in self._refused:
             return []
-        got = self.predict(o)
-        if not throttled and (got is None or got[1] >= cfg.horizon_s):
+        notes = []
+        before = self._thermal_mhz
+        # PL1 limits a time-averaged power: a cut shows only as the average falls, so one a
+        # window (a cut each second would stack up before the first took hold)
+        if throttled and o.time_s - self._changed_s >= cfg.dwell_s:
+            self._throttle_cut(o)
+            notes.append("the hardware throttled")
+        elif settled:
+            notes += [n for n in (self._thermal(o), self._energy(o) if completed else None) if n]
+        if not notes and ("rapl_pl1" not in self.active or not settled or
+                          self._energy_mhz is not None or self._thermal_mhz is not None):
             return []
+        if o.time_s - self._changed_s < cfg.dwell_s:
+            return []
+        cut = self._thermal_mhz is not None and (before is None or self._thermal_mhz < before)
+        why = "; ".join(notes) or "no reason left to hold PL1 under the firmware's"
+        return self._move_pl1(o, firmware, powers, wrote, why, cut)
+
+    def _move_pl1(self, o: Observation, firmware: list[float], powers: list[float],
+                  wrote: list[float] | None, why: str, thermal_cut: bool) -> list[Action]:
+        cfg = self.config
+        top_total = sum(firmware)
         current = wrote if wrote is not None else firmware
-        base_total = self._base[1] if self._base else 0.25 * o.pkg_power_w
-        scale = 0.9 if throttled or got is None else min(0.97, self._dynamic_scale(o, got[0]))
-        caps = []
-        for power, now, top in zip(powers, current, firmware):
-            base = base_total * power / max(1e-9, sum(powers))   # idle power, split by share
-            cap = base + (min(now, power) - base) * scale
-            caps.append(round(max(cfg.pl1_min_w, min(top, cap)), 1))
-        if all(c >= n - 0.5 for c, n in zip(caps, current)) or \
-                o.time_s - self._changed_s < cfg.dwell_s:
+        target = [x for x in (self._energy_mhz, self._thermal_mhz) if x is not None]
+        assert o.busy_mhz is not None
+        # one frequency bin's worth of watts on the measured curve: the least worth a move, and
+        # the most a rise may add (a PL1 raised far over the average power grants a PL2 burst)
+        bin_w = max(1.0, self._watts_for_mhz(o, o.busy_mhz + cfg.step_mhz)
+                    - self._watts_for_mhz(o, o.busy_mhz))
+        now, drawn = sum(current), sum(powers)
+        want_total = top_total if not target else self._watts_for_mhz(o, min(target))
+        if thermal_cut:
+            want_total = min(want_total, drawn - bin_w)         # a thermal cut must bind
+        step = cfg.pl1_step_percent / 100 * top_total
+        if want_total < now:
+            if want_total >= drawn - bin_w / 2:
+                return []                     # a cap over what is drawn would not bind
+            want_total = max(min(now, drawn) - step, want_total)
+        else:
+            want_total = min(now + bin_w, want_total)
+        if abs(want_total - now) < bin_w / 2:
             return []
-        caps = [min(c, n) for c, n in zip(caps, current)]        # only ever lowered
+        caps = [round(max(cfg.pl1_min_w, min(top, want_total * p / max(1e-9, sum(powers)))), 1)
+                for p, top in zip(powers, firmware)]
+        if all(abs(c - n) < 0.5 for c, n in zip(caps, current)):
+            return []
         self._changed_s = o.time_s
-        self._temps = []
+        self._window = None
+        self._temps = [t for t in self._temps if t[0] >= o.time_s]
+        if want_total >= top_total - 0.5 or all(c >= t - 0.5 for c, t in zip(caps, firmware)):
+            self.active.remove("rapl_pl1")
+            self.params.pop("rapl_pl1", None)
+            return [Action("release", "rapl_pl1", f"PL1 back to the firmware's "
+                           f"{_watts(firmware)}: {why}")]
         if "rapl_pl1" not in self.active:
             self.active.append("rapl_pl1")
+        per_package = len(firmware) > 1
         value: float | list[float] = caps if per_package else caps[0]
         self.params["rapl_pl1"] = {"pl1_w": value}
-        why = "the hardware throttled" if throttled else f"limit predicted in {got[1]:.0f} s"
         return [Action("apply", "rapl_pl1", f"PL1 {_watts(current)} -> {_watts(caps)} (firmware "
                        f"{_watts(firmware)}, from {_watts(powers)} drawn): {why}",
                        {"pl1_w": value})]
@@ -656,7 +913,11 @@ class EfficiencyController:
         self.evidence = {
             "time_s": o.time_s, "state": state, "tokens_per_s": o.tokens_per_s,
             "busy_mhz": o.busy_mhz, "pkg_power_w": o.pkg_power_w, "pkg_temp_c": o.pkg_temp_c,
-            "limit_temp_c": self._limit_c(o), "best_tokens_per_s": self._r_best or None,
+            "limit_temp_c": self._limit_c(o), "free_mhz": self._free_mhz,
             "energy_ceiling_mhz": self._energy_mhz, "thermal_ceiling_mhz": self._thermal_mhz,
             "hardware_throttled": throttled, "active": list(self.active),
         }
+
+
+def _total(value: float | list[float]) -> float:
+    return float(sum(value)) if isinstance(value, list) else float(value)

@@ -13,7 +13,7 @@ import logging
 from typing import Any, Callable
 
 from dsr1d.constants import (BUSY_MHZ, CEILING_MHZ, CPU_MAX_MHZ, CPU_MHZ, CPU_MIN_MHZ,
-                             ENGINE_TOKENS_PER_S, LIMIT_REASONS, ONLINE_CPUS,
+                             ENGINE_GB_PER_TOKEN, ENGINE_TOKENS_PER_S, LIMIT_REASONS, ONLINE_CPUS,
                              PKG_POWER_PACKAGES_W, PKG_POWER_W, PKG_TEMP_C, PL1_PACKAGES_W, PL1_W,
                              TCC_OFFSET_C, THROTTLE_COUNT, THROTTLE_MS, TJ_MAX_C)
 from dsr1d.core.efficiency import Action, EfficiencyConfig, EfficiencyController, Observation
@@ -45,7 +45,8 @@ def to_observation(values: dict[str, Any], start: float, threads: int | None = N
         pl1_w=values.get(PL1_W), pl1_firmware_w=pl1_firmware_w,
         pkg_power_packages_w=_tuple(values.get(PKG_POWER_PACKAGES_W)),
         pl1_packages_w=_tuple(values.get(PL1_PACKAGES_W)),
-        pl1_firmware_packages_w=_tuple(pl1_firmware_packages_w))
+        pl1_firmware_packages_w=_tuple(pl1_firmware_packages_w),
+        gb_per_token=values.get(ENGINE_GB_PER_TOKEN))
 
 
 def busy_mhz(values: dict[str, Any]) -> float | None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 BINARY = "llama-server"
 INSTALLED = Path("/usr/lib/dsr1d/bin") / BINARY   # where `make install` puts it
+KV_TYPE_BYTES = {"f16": 2.0, "q8_0": 34 / 32}     # per value (q8_0: 32 int8 and an f16 scale)
 
 
 @dataclass(frozen=True)
@@ -92,14 +93,26 @@ def arguments(spec: ServerSpec) -> list[str]:
     return args + attention(spec) + speculation(spec)
 
 
-def attention(spec: ServerSpec) -> list[str]:
-    """Flash attention and the KV cache's type. Without flash attention llama.cpp cannot keep V
+def kv_types(spec: ServerSpec) -> tuple[str, str]:
+    """The types of the KV cache's K and V. Without flash attention llama.cpp cannot keep V
     quantised, so a q8_0 cache is then K only."""
+    return spec.kv_type, spec.kv_type if spec.flash_attn != "off" else "f16"
+
+
+def kv_bytes_per_token(spec: ServerSpec, elements: int) -> float:
+    """Bytes one token of context keeps in the KV cache, ``elements`` K values and as many V."""
+    k, v = kv_types(spec)
+    return elements * (KV_TYPE_BYTES[k] + KV_TYPE_BYTES[v])
+
+
+def attention(spec: ServerSpec) -> list[str]:
+    """Flash attention and the KV cache's types (`kv_types`)."""
     args = ["--flash-attn", spec.flash_attn] if spec.flash_attn else []
-    if spec.kv_type != "f16":
-        args += ["--cache-type-k", spec.kv_type]
-        if spec.flash_attn != "off":
-            args += ["--cache-type-v", spec.kv_type]
+    k, v = kv_types(spec)
+    if k != "f16":
+        args += ["--cache-type-k", k]
+    if v != "f16":
+        args += ["--cache-type-v", v]
     return args
 
 

@@ -7,7 +7,10 @@ llama-server — built from dsr1d's patched llama.cpp — serves it on a private
 ``/health`` is asked every third of ``ping_timeout_s``; a server that exits, or answers nothing
 for ``ping_timeout_s``, is killed and started again after a back-off. A model that fails to load
 is retried the same way, the back-off growing, the reason kept in ``info["error"]`` and the log;
-it is never given up for good, and `reload` retries at once.
+it is never given up for good, and `reload` retries at once. While it is busy, each health
+check also reads its token counters (``/metrics``) and its slots (``/slots``): the decode rate,
+and the bytes a decoded token reads (`bytes_per_token`: the weights, and the KV cache that grows
+with the context), so that the power controller does not read a long context as a loss.
 
 Callers: the HTTP front passes requests to `socket` and brackets each with `begin`/`end` (the
 engine's busy state, which holds the engine profile). ``org.dsr1d.Engine1`` jobs (`submit`,
@@ -206,6 +209,8 @@ class EngineHost:
         self.tokens_per_s = 0.0
         self.tokens_seen = 0                 # the server's decoded tokens: a live decode rate
         self.prompt_tokens_seen = 0
+        self.bytes_per_token: float | None = None   # read per decoded token now; None: idle
+        self._read_costs: tuple[int, float] | None = None   # weight bytes, KV bytes a token
         self.restarts = 0
         self.jobs: dict[int, Job] = {}
         self.active = 0                      # requests and jobs in flight
@@ -315,6 +320,8 @@ class EngineHost:
             placement.cpus, self.mmap, tuple(self._ids(prepared.name)), self.embeddings,
             draft, self.draft == NGRAM, self.draft_max, kv_type=self.kv_type)
         spec = await self._with_attention(spec, binary)
+        self._read_costs = (prepared.weight_bytes,
+                            engine_command.kv_bytes_per_token(spec, prepared.kv_elements))
         nodes = placement.mem_bind_nodes
 
         def child() -> None:
@@ -344,6 +351,7 @@ class EngineHost:
             await self._watch(proc)
         finally:
             session, self.session = self.session, None
+            self.bytes_per_token = None
             self._fail_jobs(self._death_note(proc))
             await session.close()
             await stderr
@@ -529,6 +537,23 @@ class EngineHost:
         self.prompt_tokens_seen = int(values.get("llamacpp:prompt_tokens_total",
                                                  self.prompt_tokens_seen))
         self.tokens_seen = max(self.tokens_seen, predicted)
+        await self._poll_slots()
+
+    async def _poll_slots(self) -> None:
+        """What a decoded token reads now, from the slots' contexts (None while none decodes)."""
+        figure = None
+        if self.active and self._read_costs is not None:
+            figure = bytes_per_token(await self._slots(), *self._read_costs)
+        self.bytes_per_token = figure if self.active else None   # it may have ended meanwhile
+
+    async def _slots(self) -> list[dict[str, Any]]:
+        """llama-server's ``/slots`` (``--slots``), [] when it has no answer now."""
+        try:
+            async with self._get("/slots", timeout=5) as resp:
+                slots = await resp.json() if resp.status == 200 else []
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, EngineUnavailable):
+            return []
+        return [s for s in slots if isinstance(s, dict)] if isinstance(slots, list) else []
 
     async def _forward_stderr(self, proc: asyncio.subprocess.Process) -> None:
         """llama-server's log: kept for the reason of a failure, in the daemon's debug log."""
@@ -555,8 +580,10 @@ class EngineHost:
 
     def end(self) -> None:
         self.active = max(0, self.active - 1)
-        if self.active == 0 and self.state == "busy":
-            self._set_state("ready")
+        if self.active == 0:
+            self.bytes_per_token = None
+            if self.state == "busy":
+                self._set_state("ready")
 
     def available(self) -> None:
         """EngineUnavailable unless the server is up, with the reason it is not."""
@@ -753,6 +780,24 @@ def parse_counters(text: str) -> dict[str, float]:
             except (ValueError, IndexError):
                 continue
     return values
+
+
+def bytes_per_token(slots: list[dict[str, Any]], weights: int,
+                    kv_token: float) -> float | None:
+    """Bytes read per generated token: each decode step reads the weights once for all the
+    slots decoding and each slot's KV cache, ``(weights + kv_token x contexts) / slots``; None
+    while no slot decodes. A slot's context is its ``n_prompt_tokens``: llama-server counts
+    there every token in the slot's cache, the ones it generated (``n_decoded``) included."""
+    contexts = [int(s.get("n_prompt_tokens") or 0) for s in slots if _decoding(s)]
+    if not contexts:
+        return None
+    return (weights + kv_token * sum(contexts)) / len(contexts)
+
+
+def _decoding(slot: dict[str, Any]) -> bool:
+    """A slot generating tokens: one still reading its prompt generates none yet."""
+    steps = slot.get("next_token") or [{}]
+    return bool(slot.get("is_processing")) and int(steps[0].get("n_decoded") or 0) > 0
 
 
 def _refusal(status: int, body: str) -> Exception:

@@ -3,7 +3,8 @@
 Names in node-exporter style, units in the name: ``dsr1d_requests_total{endpoint,code}``,
 ``dsr1d_first_token_seconds`` and ``dsr1d_inter_token_seconds`` (histograms),
 ``dsr1d_requests_active`` (running and queued), ``dsr1d_queue_depth``, ``dsr1d_slots_active``,
-``dsr1d_decode_tokens_per_second``, ``dsr1d_profile_info{profile}``, ``dsr1d_holds``,
+``dsr1d_decode_tokens_per_second``, ``dsr1d_engine_bytes_per_token`` (weights and KV cache a
+decoded token reads, while decoding), ``dsr1d_profile_info{profile}``, ``dsr1d_holds``,
 ``dsr1d_throttle_state_info{state}``, ``dsr1d_mitigations_active``,
 ``dsr1d_package_temperature_celsius``, ``dsr1d_package_power_watts`` and
 ``dsr1d_energy_per_token_joules`` (package power over decode tokens/s, while decoding),
@@ -28,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from dsr1d.constants import PKG_POWER_W, PKG_TEMP_C, RAM_POWER_W
+from dsr1d.constants import ENGINE_GB_PER_TOKEN, PKG_POWER_W, PKG_TEMP_C, RAM_POWER_W
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 Status = Callable[[], dict[str, Any]]
@@ -51,6 +52,10 @@ class _Live:
                      max(0, active - slots))
         rate = float(s.get("tokens_per_s") or 0.0)
         yield _gauge("dsr1d_decode_tokens_per_second", "the engine's last decode rate", rate)
+        sample = s.get("sample", {})
+        if sample.get(ENGINE_GB_PER_TOKEN) is not None:
+            yield _gauge("dsr1d_engine_bytes_per_token", "bytes a decoded token reads now "
+                         "(weights and KV cache)", float(sample[ENGINE_GB_PER_TOKEN]) * 1e9)
         profile = GaugeMetricFamily("dsr1d_profile_info", "the active profile",
                                     labels=["profile"])
         profile.add_metric([str(s.get("profile", ""))], 1)
@@ -62,7 +67,6 @@ class _Live:
         yield state
         yield _gauge("dsr1d_mitigations_active", "mitigation actuators applied",
                      len(s.get("mitigations", [])))
-        sample = s.get("sample", {})
         if sample.get(PKG_TEMP_C) is not None:
             yield _gauge("dsr1d_package_temperature_celsius", "package temperature",
                          float(sample[PKG_TEMP_C]))

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 
 from dsr1d import __version__
-from dsr1d.constants import BUS_NAME, ENGINE_TOKENS_PER_S, PKG_POWER_W
+from dsr1d.constants import BUS_NAME, ENGINE_GB_PER_TOKEN, ENGINE_TOKENS_PER_S, PKG_POWER_W
 from dsr1d.core.config import DEFAULT_PATH, Config, load_config, with_overrides
 from dsr1d.core.context import build_core
 from dsr1d.edges.dbus_api import (POLKIT_ACTIONS, Dispatcher, EngineService, ManagerService,
@@ -272,6 +272,9 @@ class Daemon:
         if self.engine is not None:
             sample[ENGINE_TOKENS_PER_S] = self._live_rate()
             sample["engine_state"] = self.engine.state
+            figure = self.engine.bytes_per_token
+            if figure is not None and self.engine.state == "busy":
+                sample[ENGINE_GB_PER_TOKEN] = figure / 1e9
             self._add_energy(sample)
         self.latest = sample
         return sample

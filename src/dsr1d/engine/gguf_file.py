@@ -363,6 +363,18 @@ def memory_needed(info: GGUFInfo, context: int | None = None) -> int:
     return info.tensor_bytes + kv_cache + MEMORY_UBATCH * per_token + MEMORY_FIXED
 
 
+def decode_weight_bytes(info: GGUFInfo) -> int:
+    """Bytes of weights one decoded token reads: every tensor's data, but of the embedding
+    table only its row (left out here: a few KiB) unless the table is the output layer too."""
+    return info.tensor_bytes - (0 if info.tied_output else info.embedding_bytes)
+
+
+def kv_elements(info: GGUFInfo) -> int:
+    """K values one token of context keeps in the cache (and as many V): layers x KV heads x
+    head size."""
+    return info.block_count * info.head_count_kv * info.head_dim
+
+
 def _pad(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 

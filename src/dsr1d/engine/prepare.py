@@ -75,7 +75,7 @@ def prepare(model: Path, dtype: str, cache: Path, context: int, parallel: int,
             out: BinaryIO) -> messages.Message:
     """Everything up to the file llama-server loads; the final message."""
     from dsr1d.engine.backend import model_name
-    from dsr1d.engine.gguf_file import inspect_gguf
+    from dsr1d.engine.gguf_file import decode_weight_bytes, inspect_gguf, kv_elements
 
     try:
         path, reason = gguf_for(model, dtype, cache, out)
@@ -92,7 +92,7 @@ def prepare(model: Path, dtype: str, cache: Path, context: int, parallel: int,
     name = model_name(model) if not model.is_file() else model.stem
     thinks = "<think>" in (info.chat_template or "")
     return messages.Prepared(str(path), name, info.file_type, reason, info.parameters, tokens,
-                             thinks)
+                             thinks, decode_weight_bytes(info), kv_elements(info))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,11 @@ large: fully, the slower one wins, a hard roofline)::
     tok/s       = u / (t_mem**p + t_cpu**p) ** (1/p)
 
 With ``p = 1`` this is the ``1/R = a + b/f`` form, elasticity ``d ln R / d ln f = knee'/(f + knee')``.
+Where the KV cache grows (``gb_growth_period_s`` > 0: a long reasoning decode), every that many
+seconds of decode ``gb_per_token`` gains ``gb_per_token(0) * U(0, gb_growth_max)`` (seeded by
+``gb_growth_seed``; back to the weights' when the engine idles); compute time scales with it
+(``t_cpu`` is tied to ``t_mem``), so tokens/s falls as one over the bytes at every clock. The
+engine knows what it reads: `Plant.observed` reports the current ``gb_per_token``.
 Published data supports the shape, not a particular knee: llama.cpp's decode saturates at a few
 threads (llama.cpp #34, #12966, #6434) and reaches 84–91 % of STREAM read bandwidth (#26484);
 no CPU core-frequency sweep of decode has been published, hence the ensemble's wide knee range.
@@ -38,27 +43,40 @@ no CPU core-frequency sweep of decode has been published, hence the ensemble's w
 Frequency, chosen every substep by the (modelled) power-control unit::
 
     request = min(f_base if no_turbo else f_turbo - epb_ghz_per_step * max(0, epb - epb_neutral),
-                  ceiling)                               (cpufreq scaling_max_freq)
+                  ceiling,                               (cpufreq scaling_max_freq)
+                  f_turbo + (f_allcore - f_turbo) * (n - 1) / (cores - 1))   (turbo ratio limit)
     limit   = PL1 once avg_P >= PL1 until avg_P < 0.9 PL1, else PL2   (avg_P: exp. average, tau)
     f_pl    = the highest f <= request with P(f) <= limit
     f       = min(f_pl, f_tcc)                           (throttle = "tcc")
     f       = f_floor while PROCHOT#, else f_pl          (throttle = "floor")
+    f       = min(f_pl, f_turbo - (f_turbo - f_min) * clamp((T_die - T_lim + w) / w, 0, 1))
+                                                         (throttle = "slope", w = slope_width_c)
 
 PL1 is the firmware's value unless a write took (``pl1_writable``; AMD never: its limits belong to
-the SMU). TCC (Intel's Adaptive Thermal Monitor; AMD's Tctl limit behaves alike): while
+the SMU). ``f_turbo`` is the 1-core turbo that ``cpuinfo_max_freq`` shows, ``f_allcore`` (None:
+the same) what the turbo ratio limits allow with every core busy, linear in between. TCC (Intel's
+Adaptive Thermal Monitor; the ``amd`` plant applies it to its Tctl limit too): while
 ``T_die >= tj_max - tcc_offset`` the ratio cap ``f_tcc`` drops ``tcc_step_ghz`` every
 ``tcc_period_s`` (never under ``f_min``); once ``T_die <= tj_max - tcc_offset - tcc_hyst_c`` it
 climbs back one step a period. The die settles just under the activation temperature. The floor
 variant models an external PROCHOT# (a VR hot, a laptop's BD-PROCHOT): the clock drops to
-``f_floor`` until the die is ``floor_hyst_c`` cooler. Each activation counts as one thermal
-throttle event; the time ``f_tcc`` (or the floor) limits the clock is the throttle time, as the
-kernel's ``*_throttle_count`` / ``*_throttle_total_time_ms`` report them (Intel only). The limit
+``f_floor`` until the die is ``floor_hyst_c`` cooler. The slope variant models AMD's boost near
+its Tctl limit (Precision Boost lowers the clock as the temperature rises; AMD does not publish
+the curve, so a straight line is this model's): no bins and no hysteresis, the cap falls from
+``f_turbo`` to ``f_min`` over the last ``slope_width_c`` under the limit and the die settles on
+it. Each activation counts as one thermal throttle event; the time ``f_tcc`` (the floor, the
+slope) limits the clock is the throttle time, as the kernel's ``*_throttle_count`` /
+``*_throttle_total_time_ms`` report them (Intel only). The limit
 reasons (``MSR_CORE_PERF_LIMIT_REASONS`` 0x64F) say what holds the clock: bit 0 PROCHOT, bit 1
 thermal, bit 10 PL1, bit 11 PL2.
 
 Energy is the integral of ``P``; tokens the integral of tok/s. Explicit Euler at ``substep_s``
 (0.1 s, under the smallest die time constant in the ensemble); observables are averages over
-each ``step``. Where a machine shows no sensor (``sensors = False``, a VM) the sample says None.
+each ``step``. Where a machine shows no sensor (``sensors = False``, a VM) the sample says None;
+without cpufreq (``cpufreq_ceiling = False``) there is no ceiling, maximum or minimum frequency to
+read and no cpufreq or intel_pstate file in the fake root; where the thermal limit is the
+firmware's secret (``limit_readable = False``: AMD's Tctl limit) the sample says None for it and
+the fake root has no trip point and no ``temp1_crit``.
 What software sees may carry sensor noise (``tokens_noise``, ``power_noise``: relative, Gaussian,
 per sample) and a temperature resolution (``temp_step_c``); the figures use the truth.
 
@@ -91,7 +109,8 @@ class PlantParams:
     name: str = "xeon"
     vendor: str = "intel"                   # "intel" | "amd"
     sensors: bool = True                    # False: a VM, no temperature, power or counters
-    cpufreq_ceiling: bool = True            # False: no scaling_max_freq to write (PL1 only)
+    cpufreq_ceiling: bool = True            # False: no cpufreq at all (no ceiling: PL1 only)
+    limit_readable: bool = True             # False: the thermal limit is the firmware's secret
     cores: int = 32
     # thermal (two-node RC)
     ambient_c: float = 30.0
@@ -108,7 +127,8 @@ class PlantParams:
     v0: float = 0.60
     kv_per_ghz: float = 0.15
     # frequency
-    f_turbo_ghz: float = 3.8
+    f_turbo_ghz: float = 3.8                # one core busy: cpuinfo_max_freq
+    f_allcore_ghz: float | None = None      # every core busy (None: f_turbo_ghz)
     f_base_ghz: float = 2.0
     f_min_ghz: float = 0.8
     epb_neutral: int = 4                    # EPB at or below this leaves the turbo ceiling alone
@@ -119,7 +139,7 @@ class PlantParams:
     tau_s: float = 28.0
     pl1_writable: bool = True               # False: locked by the BIOS, or AMD (SMU-owned)
     # thermal limit
-    throttle: str = "tcc"                   # "tcc" (on-die, stepwise) | "floor" (PROCHOT#)
+    throttle: str = "tcc"                   # "tcc" (stepwise) | "floor" (PROCHOT#) | "slope"
     tj_max_c: float = 105.0
     tcc_offset_c: float = 0.0               # MSR 0x1A2 bits 29:24
     tcc_step_ghz: float = 0.1
@@ -127,12 +147,16 @@ class PlantParams:
     tcc_hyst_c: float = 1.0
     f_floor_ghz: float = 0.8
     floor_hyst_c: float = 1.5
+    slope_width_c: float = 5.0              # "slope": boost falls over this many °C to the limit
     t_trip_c: float = 90.0                  # passive trip point (reported, not enforced)
     # decode
     mem_bw_gbs: float = 250.0
     gb_per_token: float = 15.2
     knee_ghz: float = 2.6
     overlap_p: float = 1.0                  # 1 soft (times add) .. >= 50 hard roofline
+    gb_growth_period_s: float = 0.0         # the KV cache grows gb_per_token every this (0: never)
+    gb_growth_max: float = 0.0              # by up to this fraction of the weights' (uniform)
+    gb_growth_seed: int = 0
     # what the sensors add (observed only; the figures use the truth)
     tokens_noise: float = 0.0               # relative sigma of one tokens/s sample
     power_noise: float = 0.0                # relative sigma of one package-power sample
@@ -209,6 +233,9 @@ class Plant:
         self.tokens = 0.0
         self.reasons = 0
         self.online = params.cores
+        self.gb_per_token = params.gb_per_token     # what the engine reads per token, now
+        self._gb_clock = 0.0
+        self._gb_rng = random.Random(params.gb_growth_seed)
         self.last: dict[str, Any] = {}
         self._noise = random.Random(params.noise_seed)
         self._written: dict[str, dict[str, str]] = {}   # fake root -> what was written there
@@ -242,6 +269,15 @@ class Plant:
             top = max(p.f_min_ghz, min(top, c.ceiling_ghz))
         return top
 
+    def turbo_ghz(self) -> float:
+        """The turbo ratio limit for the cores now decoding: the 1-core turbo for one, falling
+        linearly to the all-core turbo with every core busy (the cpufreq ceiling stays put)."""
+        p = self.params
+        busy = self.threads() if self.controls.load > 0 else 0
+        if p.f_allcore_ghz is None or busy <= 1 or p.cores <= 1:
+            return p.f_turbo_ghz
+        return p.f_turbo_ghz + (p.f_allcore_ghz - p.f_turbo_ghz) * (busy - 1) / (p.cores - 1)
+
     def _power_limited_ghz(self, request: float, cap: float) -> float:
         p, n, load, t = self.params, self.threads(), self.controls.load, self.t_die_c
         if self.power_w(request, n, load, t) <= cap:
@@ -261,7 +297,7 @@ class Plant:
         p, n, u = self.params, self.threads(), self.controls.load
         if n <= 0 or u <= 0:
             return 0.0
-        t_mem = p.t_mem_s
+        t_mem = self.gb_per_token / p.mem_bw_gbs
         t_cpu = t_mem * p.knee_ghz * p.cores / (max(f_ghz, 1e-3) * n)
         if p.overlap_p >= 50:
             t = max(t_mem, t_cpu)
@@ -273,6 +309,8 @@ class Plant:
     def _thermal_limit(self, f_pl: float, h: float) -> float:
         """Apply TCC or PROCHOT# to the power-limited frequency; count events and time."""
         p = self.params
+        if p.throttle == "slope":
+            return self._slope_limit(f_pl, h)
         hot = self.t_die_c >= p.t_limit_c
         if p.throttle == "floor":
             if not self.floor_active and hot:
@@ -293,7 +331,20 @@ class Plant:
                 self.f_tcc = max(p.f_min_ghz, min(self.f_tcc, f_pl) - p.tcc_step_ghz)
             elif self.t_die_c <= p.t_limit_c - p.tcc_hyst_c:
                 self.f_tcc = min(p.f_turbo_ghz, self.f_tcc + p.tcc_step_ghz)
-        limiting = self.f_tcc < f_pl - 1e-9
+        self._count_limit(self.f_tcc < f_pl - 1e-9, h)
+        return min(f_pl, self.f_tcc)
+
+    def _slope_limit(self, f_pl: float, h: float) -> float:
+        """AMD's boost: the clock cap falls linearly from turbo to ``f_min`` over the last
+        ``slope_width_c`` under the limit, continuously (no bins, no hysteresis)."""
+        p = self.params
+        over = (self.t_die_c - (p.t_limit_c - p.slope_width_c)) / p.slope_width_c
+        cap = p.f_turbo_ghz - (p.f_turbo_ghz - p.f_min_ghz) * min(1.0, max(0.0, over))
+        self._count_limit(cap < f_pl - 1e-9, h)
+        return min(f_pl, cap)
+
+    def _count_limit(self, limiting: bool, h: float) -> None:
+        """One event when the thermal cap starts to hold the clock; time while it does."""
         if limiting and not self.tcc_active:
             self.throttle_count += 1
             self.events += 1
@@ -301,7 +352,20 @@ class Plant:
         if limiting:
             self.throttle_s += h
             self.hot_s += h
-        return min(f_pl, self.f_tcc)
+
+    def _grow_kv(self, h: float) -> None:
+        """R1's reasoning lengthens the context, so bytes per token grow while a decode runs;
+        an idle engine has freed its KV cache."""
+        p = self.params
+        if p.gb_growth_period_s <= 0:
+            return
+        if self.controls.load <= 0:
+            self.gb_per_token, self._gb_clock = p.gb_per_token, 0.0
+            return
+        self._gb_clock += h
+        if self._gb_clock >= p.gb_growth_period_s - 1e-9:
+            self._gb_clock -= p.gb_growth_period_s
+            self.gb_per_token += p.gb_per_token * self._gb_rng.uniform(0.0, p.gb_growth_max)
 
     # -- time --------------------------------------------------------------------------------
 
@@ -315,7 +379,8 @@ class Plant:
         sum_f = sum_p = sum_tok = 0.0
         reasons = 0
         for _ in range(steps):
-            request = self.request_ghz()
+            request = min(self.request_ghz(), self.turbo_ghz())
+            self._grow_kv(h)
             if self.avg_power_w >= pl1:
                 self.budget_spent = True
             elif self.avg_power_w < 0.9 * pl1:   # budget regained (hysteresis, no chatter)
@@ -356,6 +421,7 @@ class Plant:
             "hot_s": self.hot_s,
             "limit_reasons": reasons,
             "tokens_per_s": sum_tok / dt,
+            "gb_per_token": self.gb_per_token,
             "tokens": self.tokens,
             "energy_j": self.energy_j,
             "pl1_w": pl1,
@@ -378,6 +444,7 @@ class Plant:
             temp = math.floor(temp / p.temp_step_c) * p.temp_step_c
         power = s["pkg_power_w"] * (1 + self._noise.gauss(0.0, p.power_noise))
         tokens = s["tokens_per_s"] * (1 + self._noise.gauss(0.0, p.tokens_noise))
+        cpufreq = p.cpufreq_ceiling
         return {
             "time_s": s["time_s"],
             "pkg_temp_c": temp if p.sensors else None,
@@ -389,12 +456,13 @@ class Plant:
             "tokens_per_s": tokens,
             "threads": s["threads"],
             "online_cpus": self.online,
-            "limit_temp_c": p.t_limit_c if p.sensors else None,
-            "ceiling_mhz": s["ceiling_mhz"],
-            "max_mhz": p.f_turbo_ghz * 1000.0 if p.cpufreq_ceiling else None,
-            "min_mhz": p.f_min_ghz * 1000.0,
+            "limit_temp_c": p.t_limit_c if p.sensors and p.limit_readable else None,
+            "ceiling_mhz": s["ceiling_mhz"] if cpufreq else None,
+            "max_mhz": p.f_turbo_ghz * 1000.0 if cpufreq else None,
+            "min_mhz": p.f_min_ghz * 1000.0 if cpufreq else None,
             "pl1_w": s["pl1_w"] if p.sensors and intel else None,
             "pl1_firmware_w": p.pl1_w if p.sensors and intel else None,
+            "gb_per_token": s["gb_per_token"],      # the engine's own figure: weights + KV read
         }
 
     # -- a fake root -------------------------------------------------------------------------
@@ -411,25 +479,8 @@ class Plant:
         p, c = self.params, self.controls
         state: dict[str, str] = {f"{CPU}/online": f"0-{p.cores - 1}"}
         controls: dict[str, str] = {}
-        mhz = self.last.get("freq_mhz", self.freq_ghz * 1000.0)
         if p.sensors:
-            temp_mc = str(int(round(self.t_die_c * 1000)))
-            label = "Package id 0" if p.vendor == "intel" else "Tctl"
-            hwmon = "coretemp" if p.vendor == "intel" else "k10temp"
-            state.update({
-                "sys/class/thermal/thermal_zone0/type": "x86_pkg_temp",
-                "sys/class/thermal/thermal_zone0/temp": temp_mc,
-                "sys/class/thermal/thermal_zone0/trip_point_0_type": "passive",
-                "sys/class/thermal/thermal_zone0/trip_point_0_temp": str(int(p.t_trip_c * 1000)),
-                "sys/class/hwmon/hwmon0/name": hwmon,
-                "sys/class/hwmon/hwmon0/temp1_label": label,
-                "sys/class/hwmon/hwmon0/temp1_input": temp_mc,
-                "sys/class/hwmon/hwmon0/temp1_crit": str(int(p.t_limit_c * 1000)),
-                f"{RAPL}/name": "package-0",
-                f"{RAPL}/energy_uj": str(int(self.energy_j * 1e6) % MAX_ENERGY_UJ),
-                f"{RAPL}/max_energy_range_uj": str(MAX_ENERGY_UJ),
-                f"{RAPL}/enabled": "1",
-            })
+            state.update(self._sensor_files())
         if p.sensors and p.vendor == "intel":
             state.update({
                 f"{RAPL}/constraint_0_name": "long_term",
@@ -437,35 +488,21 @@ class Plant:
                 f"{RAPL}/constraint_0_max_power_uw": str(int(p.pl1_w * 1e6)),
                 f"{RAPL}/constraint_1_name": "short_term",
                 f"{RAPL}/constraint_1_power_limit_uw": str(int(p.pl2_w * 1e6)),
-                f"{CPU}/intel_pstate/status": "active",
             })
             pl1 = str(int((c.pl1_w if c.pl1_w is not None else p.pl1_w) * 1e6))
             if not p.pl1_writable:
                 state[f"{RAPL}/constraint_0_power_limit_uw"] = str(int(p.pl1_w * 1e6))
             else:
                 controls[f"{RAPL}/constraint_0_power_limit_uw"] = pl1
+        # no_turbo and boost belong to the cpufreq drivers: no cpufreq, no such file
+        if p.cpufreq_ceiling and p.sensors and p.vendor == "intel":
+            state[f"{CPU}/intel_pstate/status"] = "active"
             controls[f"{CPU}/intel_pstate/no_turbo"] = "1" if c.no_turbo else "0"
-        elif p.vendor == "amd":
+        elif p.cpufreq_ceiling and p.vendor == "amd":
             state[f"{CPU}/amd_pstate/status"] = "active"
             controls[f"{CPU}/cpufreq/boost"] = "0" if c.no_turbo else "1"
-        khz = str(int(round(mhz * 1000)))
-        throttle_ms = str(int(self.throttle_s * 1000))
-        ceiling = c.ceiling_ghz if c.ceiling_ghz is not None else p.f_turbo_ghz
         for n in range(p.cores):
-            d = f"{CPU}/cpu{n}"
-            state[f"{d}/cpufreq/scaling_cur_freq"] = khz
-            state[f"{d}/cpufreq/cpuinfo_max_freq"] = str(int(p.f_turbo_ghz * 1e6))
-            state[f"{d}/cpufreq/cpuinfo_min_freq"] = str(int(p.f_min_ghz * 1e6))
-            state[f"{d}/cpufreq/base_frequency"] = str(int(p.f_base_ghz * 1e6))
-            controls[f"{d}/cpufreq/scaling_max_freq"] = str(int(round(ceiling * 1e6)))
-            state[f"{d}/topology/core_id"] = str(n)
-            state[f"{d}/topology/physical_package_id"] = "0"
-            if p.sensors and p.vendor == "intel":
-                state[f"{d}/thermal_throttle/core_throttle_count"] = str(self.throttle_count)
-                state[f"{d}/thermal_throttle/package_throttle_count"] = str(self.throttle_count)
-                state[f"{d}/thermal_throttle/core_throttle_total_time_ms"] = throttle_ms
-                state[f"{d}/thermal_throttle/package_throttle_total_time_ms"] = throttle_ms
-            controls[f"{d}/power/energy_perf_bias"] = str(c.epb)
+            self._cpu_files(f"{CPU}/cpu{n}", n, state, controls)
         written = self._written.setdefault(str(root), {})
         for rel, text in state.items():
             if written.get(rel) != text or not (root / rel).exists():
@@ -475,6 +512,53 @@ class Plant:
             if not (root / rel).exists():
                 _atomic_write(root / rel, text + "\n")
 
+    def _sensor_files(self) -> dict[str, str]:
+        """Temperatures and the energy counter; the limit only where software can read it."""
+        p = self.params
+        temp_mc = str(int(round(self.t_die_c * 1000)))
+        intel = p.vendor == "intel"
+        files = {
+            "sys/class/thermal/thermal_zone0/type": "x86_pkg_temp",
+            "sys/class/thermal/thermal_zone0/temp": temp_mc,
+            "sys/class/thermal/thermal_zone0/trip_point_0_type": "passive",
+            "sys/class/thermal/thermal_zone0/trip_point_0_temp": str(int(p.t_trip_c * 1000)),
+            "sys/class/hwmon/hwmon0/name": "coretemp" if intel else "k10temp",
+            "sys/class/hwmon/hwmon0/temp1_label": "Package id 0" if intel else "Tctl",
+            "sys/class/hwmon/hwmon0/temp1_input": temp_mc,
+            "sys/class/hwmon/hwmon0/temp1_crit": str(int(p.t_limit_c * 1000)),
+            f"{RAPL}/name": "package-0",
+            f"{RAPL}/energy_uj": str(int(self.energy_j * 1e6) % MAX_ENERGY_UJ),
+            f"{RAPL}/max_energy_range_uj": str(MAX_ENERGY_UJ),
+            f"{RAPL}/enabled": "1",
+        }
+        if not p.limit_readable:
+            for rel in ("sys/class/thermal/thermal_zone0/trip_point_0_type",
+                        "sys/class/thermal/thermal_zone0/trip_point_0_temp",
+                        "sys/class/hwmon/hwmon0/temp1_crit"):
+                del files[rel]
+        return files
+
+    def _cpu_files(self, d: str, n: int, state: dict[str, str], controls: dict[str, str]) -> None:
+        """One CPU's files: topology and EPB always, cpufreq where there is a driver, the
+        throttle counters on Intel."""
+        p, c = self.params, self.controls
+        if p.cpufreq_ceiling:
+            mhz = self.last.get("freq_mhz", self.freq_ghz * 1000.0)
+            ceiling = c.ceiling_ghz if c.ceiling_ghz is not None else p.f_turbo_ghz
+            state[f"{d}/cpufreq/scaling_cur_freq"] = str(int(round(mhz * 1000)))
+            state[f"{d}/cpufreq/cpuinfo_max_freq"] = str(int(p.f_turbo_ghz * 1e6))
+            state[f"{d}/cpufreq/cpuinfo_min_freq"] = str(int(p.f_min_ghz * 1e6))
+            state[f"{d}/cpufreq/base_frequency"] = str(int(p.f_base_ghz * 1e6))
+            controls[f"{d}/cpufreq/scaling_max_freq"] = str(int(round(ceiling * 1e6)))
+        state[f"{d}/topology/core_id"] = str(n)
+        state[f"{d}/topology/physical_package_id"] = "0"
+        if p.sensors and p.vendor == "intel":
+            throttle_ms = str(int(self.throttle_s * 1000))
+            state[f"{d}/thermal_throttle/core_throttle_count"] = str(self.throttle_count)
+            state[f"{d}/thermal_throttle/package_throttle_count"] = str(self.throttle_count)
+            state[f"{d}/thermal_throttle/core_throttle_total_time_ms"] = throttle_ms
+            state[f"{d}/thermal_throttle/package_throttle_total_time_ms"] = throttle_ms
+        controls[f"{d}/power/energy_perf_bias"] = str(c.epb)
 
 RAPL = "sys/class/powercap/intel-rapl:0"
 CPU = "sys/devices/system/cpu"

@@ -1,6 +1,7 @@
 """Policies on a plant, the figures of a run, the best fixed ceiling (the oracle) and the ensemble.
 
 Policies: ``stock`` (nothing), ``ceiling:MHZ`` (a fixed frequency ceiling from the start),
+``pl1:W`` (a fixed PL1 cap from the start),
 ``ladder`` (the previous rung controller, `dsr1d.sim.ladder.Controller`) and ``dsr1d``
 (`dsr1d.core.efficiency.EfficiencyController`). Each sees only what software on the machine can
 see (`Plant.observed`) and acts through the plant's controls.
@@ -16,7 +17,7 @@ from dsr1d.sim.ladder import Controller, Sample
 from dsr1d.sim.plant import Plant
 from dsr1d.sim.scenarios import Scenario
 
-POLICIES = ("stock", "dsr1d", "ladder", "ceiling:MHZ")
+POLICIES = ("stock", "dsr1d", "ladder", "ceiling:MHZ", "pl1:W")
 WARMUP_S = 60.0
 ORACLE_STEP_MHZ = 200.0
 
@@ -44,6 +45,17 @@ class Ceiling(Policy):
 
     def start(self, plant: Plant) -> None:
         plant.controls.ceiling_ghz = self.mhz / 1000.0
+
+
+class PowerCap(Policy):
+    """A fixed PL1 cap from the start (the oracle's knob where there is no frequency ceiling)."""
+
+    def __init__(self, watts: float) -> None:
+        self.watts = watts
+        self.name = f"pl1:{watts:.0f}"
+
+    def start(self, plant: Plant) -> None:
+        plant.controls.pl1_w = self.watts
 
 
 class ActionMapper:
@@ -124,7 +136,7 @@ class Dsr1d(Policy):
 
 
 def policy(spec: str, config: EfficiencyConfig | None = None) -> Policy:
-    """A policy from its name (``stock``, ``dsr1d``, ``ladder``, ``ceiling:MHZ``)."""
+    """A policy from its name (``stock``, ``dsr1d``, ``ladder``, ``ceiling:MHZ``, ``pl1:W``)."""
     if spec == "stock":
         return Policy()
     if spec == "dsr1d":
@@ -132,14 +144,20 @@ def policy(spec: str, config: EfficiencyConfig | None = None) -> Policy:
     if spec == "ladder":
         return Ladder()
     if spec.startswith("ceiling:"):
-        try:
-            mhz = float(spec.split(":", 1)[1])
-        except ValueError:
-            mhz = -1.0
-        if not 100 <= mhz <= 10000:
-            raise ValueError(f"{spec!r}: the ceiling is in MHz, 100..10000")
-        return Ceiling(mhz)
+        return Ceiling(_value(spec, 100, 10000, "the ceiling is in MHz"))
+    if spec.startswith("pl1:"):
+        return PowerCap(_value(spec, 1, 5000, "the PL1 cap is in watts"))
     raise ValueError(f"unknown policy {spec!r}; known: {', '.join(POLICIES)}")
+
+
+def _value(spec: str, lo: float, hi: float, what: str) -> float:
+    try:
+        value = float(spec.split(":", 1)[1])
+    except ValueError:
+        value = lo - 1
+    if not lo <= value <= hi:
+        raise ValueError(f"{spec!r}: {what}, {lo:g}..{hi:g}")
+    return value
 
 
 def run(scenario: Scenario, pol: Policy, seconds: float = 600.0,
@@ -199,10 +217,18 @@ def figures(rows: list[dict[str, Any]], warmup_s: float = WARMUP_S) -> dict[str,
 
 def ceiling_runs(scenario: Scenario, seconds: float = 600.0,
                  step_mhz: float = ORACLE_STEP_MHZ) -> dict[str, dict[str, Any]]:
-    """The figures of ``stock`` and of every fixed ceiling from the floor up, ``step_mhz`` apart."""
+    """The figures of ``stock`` and of every fixed ceiling from the floor up, ``step_mhz`` apart;
+    on a plant without a frequency ceiling, every fixed PL1 cap from the firmware's down, 5 %
+    of it apart (to a third of it)."""
     p = scenario.params
-    mhz = p.f_min_ghz * 1000
     runs = {"stock": figures(run(scenario, Policy(), seconds))}
+    if not p.cpufreq_ceiling:
+        if p.pl1_writable:
+            for share in range(95, 30, -5):
+                cap = PowerCap(p.pl1_w * share / 100)
+                runs[cap.name] = figures(run(scenario, cap, seconds))
+        return runs
+    mhz = p.f_min_ghz * 1000
     while mhz < p.f_turbo_ghz * 1000 - 1:
         runs[f"ceiling:{mhz:.0f}"] = figures(run(scenario, Ceiling(mhz), seconds))
         mhz += step_mhz
@@ -224,8 +250,8 @@ def best_fixed(runs: dict[str, dict[str, Any]],
 
 def oracle(scenario: Scenario, seconds: float = 600.0, delta_percent: float = 2.0,
            step_mhz: float = ORACLE_STEP_MHZ) -> tuple[str, dict[str, Any]]:
-    """The best fixed ceiling: the least J/token among the ceilings (every ``step_mhz`` and
-    none) whose tokens/s is within ``delta_percent`` of the best of them."""
+    """The best fixed ceiling (or PL1 cap, where there is no ceiling): the least J/token among
+    them (every ``step_mhz`` and none) whose tokens/s is within ``delta_percent`` of the best."""
     return best_fixed(ceiling_runs(scenario, seconds, step_mhz), delta_percent)
 
 

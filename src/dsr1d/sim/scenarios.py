@@ -24,6 +24,43 @@ Named plants (the XEON calibration of `dsr1d.sim.plant` unless said otherwise):
   5,000 boot-time throttle events and 60 s of throttle time in its counters.
 * ``pl1-ignored``: ``step-tcc`` with the BIOS ignoring PL1 writes.
 
+Plants of shapes the controller was found to fail on (issue #28):
+
+* ``pl1-only``: ``step-tcc`` without cpufreq (no ``scaling_max_freq``, ``cpuinfo_max_freq`` or
+  ``intel_pstate``: the cpufreq driver is not loaded, as on some hosts and tuned-down images), PL1
+  writable: a PL1 cap is the only knob. Its cooler is the XEON's, the published poor one (TjMax in
+  about two minutes at turbo), so the thermal limit matters.
+* ``pl1-only-cool``: ``memory-knee`` without cpufreq and a cooler twice as strong (heat sink to
+  inlet 0.08 K/W: about 83 °C at turbo, 20 °C under the limit): energy is the only reason to cap.
+* ``burst-sustain``: PL2 (420 W, above what turbo draws) while the power averaged over tau 28 s
+  stays under PL1 210 W, which runs out after about 27 s; then PL1 holds about 2.8 GHz. Knee
+  2.0 GHz (p = 2) makes that about 8 % fewer tokens/s; cool (0.12 K/W), never thermal. The best
+  window a decode ever shows is the burst, and it never comes back.
+* ``drift``: ``step-tcc`` decoding a small model whose KV cache grows: R1's reasoning runs to tens
+  of thousands of tokens, and each one adds its keys and values to what every later token reads.
+  R1-Distill-Qwen-1.5B in Q4_K_M reads about 1.1 GB of weights a token and caches 28 KiB of f16
+  keys and values per token of context (28 layers x 2 KV heads x 128 x 2 x 2 bytes): at 100 tok/s
+  that is 0.26 GB, about 23 % of the weights, every 90 s. So every 90 s of decode the bytes per
+  token grow by a fraction of the weights' drawn from 0-20 % (seeded by ``--seed``), and the
+  engine reports the figure (``gb_per_token`` in `Plant.observed`). Attention's compute grows
+  with the bytes it reads, so the knee stays where it is: tokens/s falls as 1 / bytes at any clock.
+* ``amd-90``, ``amd-95``, ``amd-100``: ``amd`` with a Tctl limit of 90, 95 or 100 °C that software
+  cannot read (no ``limit_temp_c``, no ``temp1_crit`` or trip point), no throttle counters, no PL1
+  writes, and AMD's boost instead of Intel's TCC bins: the clock cap falls linearly from boost to
+  the minimum over the last 5 °C under the limit (``throttle = "slope"``), so the package settles
+  2-3 °C under it on a continuous curve. AMD documents that Precision Boost lowers the clock as
+  temperature rises, not its curve; the 5 °C is this model's.
+* ``turbo-above-allcore``: ``step-tcc`` whose ``cpuinfo_max_freq`` (3.8 GHz, the turbo with one
+  core busy) is well above what all 32 cores get (3.0 GHz, the turbo ratio limit for 32 active
+  cores, as on server Xeons). It reaches the limit after about 7 minutes.
+* ``never-hot``: ``step-tcc`` with a big heat sink (8000 J/K, about 9 kg of aluminium or a liquid
+  loop's 2 L; 0.13 K/W to the inlet): it settles at 101.7 °C, 3.3 °C under the limit, with a time
+  constant near 17 minutes (c_sink x r_sink_amb), so at 30 minutes it is at 93 °C and still
+  rising 0.45 °C a minute, while a line through minutes 2 to 4 (1.8 °C a minute) crosses the
+  limit before 30 minutes.
+* ``inlet-spike``: ``step-tcc`` with the inlet 10 °C warmer from 300 s to 480 s (a CRAC unit
+  cycling, a neighbour's exhaust), then back.
+
 Ensemble ranges (uniform unless said otherwise; the ranges of MITIGATION-NOTES.md):
 throttle model TCC (80 %) or floor (20 %); TCC step 0.1 or 0.2 GHz, hysteresis 0.5–2 °C; knee
 1–3 GHz and the decode elasticity at turbo 0.05–0.5 (``ensemble(elasticity=…)`` narrows it
@@ -84,6 +121,14 @@ def _bursts(seed: int, on: tuple[float, float], off: tuple[float, float]) -> Sch
     return schedule
 
 
+def _inlet_spike(at_s: float, seconds: float, delta_c: float) -> Schedule:
+    def schedule(t: float, plant: Plant) -> None:
+        t += 1e-6     # the clock sums 0.1 s substeps: 300 s may read 299.99999
+        hot = at_s <= t < at_s + seconds
+        plant.controls.ambient_c = plant.params.ambient_c + delta_c if hot else None
+    return schedule
+
+
 def _idle(t: float, plant: Plant) -> None:
     plant.controls.load = 0.0
 
@@ -105,6 +150,25 @@ FLOOR_PROCHOT = replace(XEON, name="floor-prochot", throttle="floor", knee_ghz=2
 AMD = replace(XEON, name="amd", vendor="amd", tj_max_c=95.0, pl1_w=280.0, pl2_w=280.0,
               pl1_writable=False, f_turbo_ghz=3.7, f_base_ghz=2.4, f_min_ghz=1.5,
               knee_ghz=1.6, overlap_p=2.0)
+PL1_ONLY = replace(STEP_TCC, name="pl1-only", cpufreq_ceiling=False)
+PL1_ONLY_COOL = replace(MEMORY_KNEE, name="pl1-only-cool", cpufreq_ceiling=False,
+                        r_sink_amb_k_per_w=0.08)
+BURST_SUSTAIN = replace(STEP_TCC, name="burst-sustain", pl1_w=210.0, pl2_w=420.0, tau_s=28.0,
+                        knee_ghz=2.0, r_sink_amb_k_per_w=0.12)
+TURBO_ABOVE_ALLCORE = replace(STEP_TCC, name="turbo-above-allcore", f_allcore_ghz=3.0)
+NEVER_HOT = replace(STEP_TCC, name="never-hot", c_sink_j_per_k=8000.0, r_sink_amb_k_per_w=0.13)
+
+
+def drift(seed: int = 0) -> PlantParams:
+    """``step-tcc`` decoding a small model whose KV cache grows (module docstring)."""
+    return replace(STEP_TCC, name="drift", gb_per_token=1.1, gb_growth_period_s=90.0,
+                   gb_growth_max=0.2, gb_growth_seed=seed)
+
+
+def amd_slope(limit_c: float) -> PlantParams:
+    """``amd`` with an unreadable Tctl limit at ``limit_c`` and boost falling smoothly to it."""
+    return replace(AMD, name=f"amd-{limit_c:.0f}", tj_max_c=limit_c, throttle="slope",
+                   slope_width_c=5.0, limit_readable=False)
 
 
 def plants(seed: int = 0) -> dict[str, Scenario]:
@@ -130,7 +194,31 @@ def plants(seed: int = 0) -> dict[str, Scenario]:
                  description="a CPU back online with boot-time throttle counts"),
         Scenario("pl1-ignored", replace(STEP_TCC, name="pl1-ignored", pl1_writable=False),
                  description="step-tcc, the BIOS ignores PL1 writes"),
+        *_issue_28_plants(seed),
     )}
+
+
+def _issue_28_plants(seed: int) -> tuple[Scenario, ...]:
+    """The shapes the controller was found to fail on (module docstring)."""
+    return (
+        Scenario("pl1-only", PL1_ONLY, description="no cpufreq: only PL1 acts; hot"),
+        Scenario("pl1-only-cool", PL1_ONLY_COOL,
+                 description="no cpufreq, never hot: PL1 for energy only"),
+        Scenario("burst-sustain", BURST_SUSTAIN,
+                 description="PL2 burst ~27 s, then PL1 210 W: ~8 % fewer tok/s for good"),
+        Scenario("drift", drift(seed),
+                 description="KV cache grows: bytes per token +0-20 % every 90 s"),
+        *(Scenario(f"amd-{t}", amd_slope(t),
+                   description=f"Tctl {t} °C unreadable, boost falls over the last 5 °C")
+          for t in (90, 95, 100)),
+        Scenario("turbo-above-allcore", TURBO_ABOVE_ALLCORE,
+                 description="cpuinfo_max_freq 3.8 GHz, all-core turbo 3.0 GHz"),
+        Scenario("never-hot", NEVER_HOT,
+                 description="big heat sink: rises for 30 min, settles 3.3 °C under the limit"),
+        Scenario("inlet-spike", replace(STEP_TCC, name="inlet-spike"),
+                 _inlet_spike(300.0, 180.0, 10.0),
+                 description="step-tcc, inlet +10 °C from 300 s to 480 s"),
+    )
 
 
 def _overlap_for(elasticity: float, knee_ghz: float, f_ghz: float) -> float:

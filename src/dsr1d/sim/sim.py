@@ -62,14 +62,14 @@ def simulate(params: PlantParams = XEON_SUSTAINED, seconds: float = 600.0,
 
 
 CSV_FIELDS = ("time_s", "pkg_temp_c", "sink_temp_c", "limit_temp_c", "busy_mhz", "pkg_power_w",
-              "throttle_count", "tokens_per_s", "energy_j", "pl1_w", "ceiling_mhz", "no_turbo",
-              "epb", "threads", "state", "active", "actions")
+              "throttle_count", "tokens_per_s", "gb_per_token", "energy_j", "pl1_w", "ceiling_mhz",
+              "no_turbo", "epb", "threads", "state", "active", "actions")
 
 
 def _csv_row(row: dict[str, Any]) -> dict[str, Any]:
     out = {k: row.get(k) for k in CSV_FIELDS}
     for k in ("pkg_temp_c", "sink_temp_c", "limit_temp_c", "busy_mhz", "pkg_power_w",
-              "tokens_per_s", "energy_j", "pl1_w", "ceiling_mhz"):
+              "tokens_per_s", "gb_per_token", "energy_j", "pl1_w", "ceiling_mhz"):
         out[k] = "" if row.get(k) is None else f"{row[k]:.3f}"
     out["active"] = " ".join(row.get("active", []))
     out["actions"] = " | ".join(f"{a.kind} {a.rung}: {a.reason}" for a in row.get("actions", []))
@@ -83,11 +83,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--plant", default="step-tcc",
                     help="a named plant: " + ", ".join(plants()) + " (step-tcc)")
     ap.add_argument("--policy", default=None,
-                    help="stock, dsr1d (the daemon's controller), ladder (the previous one) or "
-                         "ceiling:MHZ (default: dsr1d)")
+                    help="stock, dsr1d (the daemon's controller), ladder (the previous one), "
+                         "ceiling:MHZ or pl1:W (a fixed cap; default: dsr1d)")
     ap.add_argument("--ensemble", type=int, metavar="N",
                     help="run stock, dsr1d and the oracle on N plants; print their ratios")
-    ap.add_argument("--seed", type=int, default=0, help="ensemble and bursty-load seed (0)")
+    ap.add_argument("--seed", type=int, default=0, help="ensemble, bursty-load and drift seed (0)")
     ap.add_argument("--sensors", choices=("exact", "real"), default="exact",
                     help="what software sees: exact readings, or a real machine's noise and "
                          "resolution (tokens/s 0-3 %%, power 0-2 %%, whole degrees) (exact)")
