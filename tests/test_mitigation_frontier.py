@@ -122,3 +122,28 @@ def test_no_ceiling_is_set_over_the_all_core_clock() -> None:
     _, _, rows = ratios(Scenario("turbo-compute", params), 900)
     applied = [a.params["mhz"] for r in rows for a in r["actions"] if a.kind == "apply"]
     assert applied and max(applied) <= 3000.0
+
+
+def test_the_uncore_clock_is_lowered_where_decode_keeps_its_floor_and_given_back() -> None:
+    knee = PLANTS["memory-knee"]           # memory-bound: bandwidth saturates under the top
+    params = replace(knee.params, p_static_w=35.0, uncore_w=50.0, uncore_sat_ghz=1.4,
+                     uncore_knee_p=8.0)
+
+    def stop_at_400(t: float, plant: Plant) -> None:
+        plant.controls.load = 1.0 if t < 400 else 0.0
+    plant = Scenario("memory-knee-uncore", params, stop_at_400)
+    _, without, _ = ratios(plant, 480, EfficiencyConfig(uncore=False))
+    tok, joules, rows = ratios(plant, 480, EfficiencyConfig(uncore=True))
+    uncore = [(r["time_s"], a) for r in rows for a in r["actions"] if a.rung == "uncore_ceiling"]
+    assert any(a.kind == "apply" and a.params["mhz"] < 2400 for _, a in uncore)
+    assert tok >= 0.97 and joules < without
+    last_t, last = uncore[-1]
+    assert last.kind == "release" and last_t > 400          # given back when decode stops
+    assert rows[-1]["uncore_limit_mhz"] == 2400.0
+
+
+def test_an_uncore_action_is_an_uncore_profile_overlay() -> None:
+    from dsr1d.core.efficiency import Action
+    from dsr1d.core.mitigator import overlay_for
+    apply = Action("apply", "uncore_ceiling", "test", {"mhz": 2000.0})
+    assert overlay_for(apply) == {"uncore": {"max_mhz": 2000}}

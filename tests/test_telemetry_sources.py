@@ -754,7 +754,7 @@ def test_builtin_sources_and_unchanged_tunables() -> None:
                                          "turbo", "uncore"]
     assert list(collect_sources(pm)) == ["turbostat", "rapl", "hwmon", "aperf",
                                          "thermal_zones", "throttle", "msr_throttle", "cpufreq",
-                                         "cpufreq_limits", "procstat"]
+                                         "cpufreq_limits", "uncore_limits", "procstat"]
 
 
 def test_register_telemetry_sources_from_a_third_party_plugin(

@@ -246,3 +246,19 @@ def test_killed_at_every_point_of_an_apply_then_restored(tmp_path):
         assert restore.returncode == 0, (point, restore.stdout, restore.stderr)
         assert diff(before, snapshot(fake.path)) == [], point
         assert not (fake.path / JOURNAL).exists(), point
+
+
+def test_the_uncore_range_and_limit_reach_the_telemetry(tmp_path: Path) -> None:
+    from dsr1d.contract.sysroot import SysRoot
+    from dsr1d.contract.telemetry import Unavailable
+    from dsr1d.plugins.uncore import UncoreLimits
+    fake = FakeRoot(tmp_path / "root")
+    fake.add_uncore(0, max_khz=2_000_000).add_uncore(1, max_khz=2_200_000)
+    src = UncoreLimits()
+    assert src.probe(SysRoot(fake.path)).supported
+    # the controller reads the lowest limit in force, and the firmware's range
+    assert src.read(SysRoot(fake.path), 0) == {"uncore_max_mhz": 2400.0, "uncore_min_mhz": 800.0,
+                                               "uncore_limit_mhz": 2000.0}
+    bare = FakeRoot(tmp_path / "bare", vendor="AuthenticAMD")
+    with pytest.raises(Unavailable, match="Intel servers only"):
+        src.read(SysRoot(bare.path), 0)

@@ -43,25 +43,34 @@ the fit or the windows' own noise, the larger), turned about the points' centre.
 Thermal guard
 -------------
 The limit is ``limit_temp_c``, or the machine's TjMax minus the TCC offset. Where neither is known
-(AMD: the Tctl limit belongs to the SMU and is not readable) there is no predictive guard — the
-firmware holds its own limit with a smooth slope, and a guessed limit under it only costs
-tokens/s — until the limit shows itself: the free clock falling a bin or more while the
-temperature stands at its highest; that temperature is then the limit. The set point is
-``limit_margin_c`` under the limit. Since the last change the temperature is fitted as a first
-order lag, ``T[k+1] = alpha T[k] + c``: ``T_ss = c / (1 - alpha)``, ``tau = -dt / ln(alpha)``,
-and the time to the set point ``t_hit = tau ln((T_ss - T) / (T_ss - T_set))``. When ``t_hit`` is
-under ``horizon_s`` (or the package is already there) the power that would settle at the set
-point is ``P_set = P_base + (P - P_base) (T_set - T_base) / (T_ss - T_base)`` (``T_base``/
-``P_base``: the idle package before decode) and the target is the frequency for it on the
-package's measured power curve. With more than a quarter of the horizon left the cut is one bin
-and the next decision sees a fresh fit. Where the temperature has not yet curved (no lag fits)
-only a straight-line reach under a quarter of the horizon is acted on, one bin at a time: a long
-straight rise is usually a big heat sink that settles before the limit. Hardware throttle evidence
-(throttle time rising, thermal limit-reason bits) lowers the target one bin under the busy
-frequency at once, never more than ``max_move_bins`` under the cap in force. Cuts start from the
-clock the package really runs (the busy frequency), not from the one-core maximum turbo above
-it. The guard is relaxed a bin at a time while the temperature predicted one bin up stays a
+(AMD: the Tctl limit belongs to the SMU and is not readable) there is no predictive guard: the
+firmware holds its own limit with a smooth slope, and a guessed limit under it only costs tokens/s
+(a 95 °C guess held 100 °C parts 2.7 % under stock). Where the firmware shows it — the free clock
+falling a bin or more while the temperature stands at its highest — that temperature is reported as
+the limit it holds. The set point is ``limit_margin_c`` under the limit. Since the last change the
+temperature is fitted as a first order lag, ``T[k+1] = alpha T[k] + c``: ``T_ss = c / (1 -
+alpha)``, ``tau = -dt / ln(alpha)``, and the time to the set point ``t_hit = tau ln((T_ss - T) /
+(T_ss - T_set))``. When ``t_hit`` is under ``horizon_s`` (or the package is already there) the
+power that would settle at the set point is ``P_set = P_base + (P - P_base) (T_set - T_base) /
+(T_ss - T_base)`` (``T_base``/ ``P_base``: the idle package before decode) and the target is the
+frequency for it on the package's measured power curve. With more than a quarter of the horizon
+left the cut is one bin and the next decision sees a fresh fit. Where the temperature has not yet
+curved (no lag fits) only a straight-line reach under a quarter of the horizon is acted on, one bin
+at a time: a long straight rise is usually a big heat sink that settles before the limit. Hardware
+throttle evidence (throttle time rising, thermal limit-reason bits) lowers the target one bin under
+the busy frequency at once, never more than ``max_move_bins`` under the cap in force. Cuts start
+from the clock the package really runs (the busy frequency), not from the one-core maximum turbo
+above it. The guard is relaxed a bin at a time while the temperature predicted one bin up stays a
 sensor step (1 °C) under the set point, at most one bin per ``horizon_s / 2``.
+
+The uncore clock
+----------------
+With ``uncore = yes`` and Intel's intel_uncore_frequency driver, once the core's ceiling has
+settled (a fit, no probe): the uncore's ``max_freq_khz`` one ``uncore_step_mhz`` down per window
+while the window keeps the floor, one step back up when it does not, and no lower for this
+workload; the core's energy ceiling waits while it steps. Off by default: one knob after the
+other spends the floor's budget on whichever moves first, and on the simulated plants the gain
+is not one-sided (docs/mitigation.md).
 
 The PL1 actuator
 ----------------
@@ -81,11 +90,11 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple, TypedDict
 
 
 STATES = ("none", "learning", "efficient", "mitigating", "throttling", "recovering")
-RUNGS = ("freq_ceiling", "rapl_pl1")
+RUNGS = ("freq_ceiling", "rapl_pl1", "uncore_ceiling")
 # t_hit under this share of the horizon: cut to the fitted power at once. A first-order fit over a
 # short stretch takes the die's and the heat sink's lags for one and overshoots T_ss (the plant's
 # two nodes: 1.6 s and 156 s on the calibrated Xeon), so with time left one bin and a fresh fit.
@@ -108,7 +117,15 @@ class Action:
     kind: str            # "apply" | "release"
     rung: str            # "freq_ceiling" | "rapl_pl1" (the ladder: its own rung names)
     reason: str          # one line, with the evidence numbers
-    params: dict = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)   # free-form: each rung its own
+
+
+class RungParams(TypedDict, total=False):
+    """What one of the controller's rungs holds: a ceiling's ``mhz``, or PL1's ``pl1_w`` (a list
+    where there are several packages)."""
+
+    mhz: float
+    pl1_w: float | list[float]
 
 
 def _setting(default: Any, help: str, lo: float | None = None, hi: float | None = None,
@@ -124,8 +141,8 @@ class EfficiencyConfig:
     delta_percent: float = _setting(2.0, "tokens/s may fall this far below what the package "
                                     "sustains without the controller", 0.0, 50.0, "%")
     limit_temp_c: float = _setting(0.0, "thermal limit; 0 = the hardware's TjMax minus the TCC "
-                                   "offset (where unknown, as on AMD, learned when the firmware "
-                                   "first holds the clock)", 0.0, 125.0, "°C")
+                                   "offset (where unreadable, as AMD's Tctl limit, no guard: "
+                                   "the firmware holds it)", 0.0, 125.0, "°C")
     limit_margin_c: float = _setting(1.5, "hold the package this far under the limit", 0.0,
                                      30.0, "°C")
     horizon_s: float = _setting(60.0, "act when the limit is predicted sooner than this", 0.0,
@@ -152,6 +169,9 @@ class EfficiencyConfig:
     pl1_min_w: float = _setting(10.0, "a PL1 cap never goes under this", 1.0, 5000.0, "W")
     pl1_step_percent: float = _setting(10.0, "one PL1 move changes the cap by at most this share "
                                        "of the firmware's PL1", 1.0, 100.0, "%")
+    uncore: bool = _setting(False, "lower the uncore clock (Intel's intel_uncore_frequency) "
+                            "while decode keeps its floor, once the core's ceiling has settled")
+    uncore_step_mhz: float = _setting(100.0, "one uncore move", 10.0, 1000.0, "MHz")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -214,10 +234,13 @@ class Observation:
     min_mhz: float | None = None
     pl1_w: float | None = None             # PL1 as read back
     pl1_firmware_w: float | None = None    # the firmware's PL1 (None: PL1 not writable)
-    pkg_power_packages_w: tuple | None = None     # per package (two sockets or more)
-    pl1_packages_w: tuple | None = None           # read back, per package
-    pl1_firmware_packages_w: tuple | None = None  # the firmware's, per package
+    pkg_power_packages_w: tuple[float, ...] | None = None     # per package (two sockets or more)
+    pl1_packages_w: tuple[float, ...] | None = None           # read back, per package
+    pl1_firmware_packages_w: tuple[float, ...] | None = None  # the firmware's, per package
     gb_per_token: float | None = None      # bytes the engine reads per token (weights + KV)
+    uncore_max_mhz: float | None = None    # the uncore's firmware range (None: no uncore knob)
+    uncore_min_mhz: float | None = None
+    uncore_limit_mhz: float | None = None  # its max_freq_khz as read back
 
 
 class Point(NamedTuple):
@@ -230,6 +253,7 @@ class Point(NamedTuple):
     gb: float       # bytes per token (1.0 where the engine does not say)
     free: bool      # no cap of ours held the clock
     sustained: bool  # free, or held by the thermal guard alone: what the package sustains
+    uncore: float = 0.0  # the uncore limit in force (0: its top, or no uncore knob)
 
 
 @dataclass
@@ -243,6 +267,7 @@ class _Window:
     gb: float = 0.0
     free: bool = True
     sustained: bool = True
+    uncore: float = 0.0
 
     def add(self, o: Observation, free: bool, sustained: bool) -> None:
         self.n += 1
@@ -260,7 +285,7 @@ class _Window:
         var = max(0.0, self.r2 / self.n - mean * mean) * self.n / (self.n - 1) \
             if self.n > 1 else 0.0
         return Point(self.f / self.n, mean, self.p / self.n, math.sqrt(var / self.n),
-                     self.gb / self.n, self.free, self.sustained)
+                     self.gb / self.n, self.free, self.sustained, self.uncore)
 
 
 class Fit(NamedTuple):
@@ -337,7 +362,7 @@ class EfficiencyController:
         self.state = "none"
         self.evidence: dict[str, Any] = {}
         self.active: list[str] = []
-        self.params: dict[str, dict[str, Any]] = {}
+        self.params: dict[str, RungParams] = {}
         self.history: list[tuple[float, Action]] = []
         self._prev: Observation | None = None
         self._steady_since: float | None = None
@@ -360,6 +385,8 @@ class EfficiencyController:
         self._probed_s: float | None = None
         self._fit: Fit | None = None
         self._asked_mhz: float | None = None      # a one-bin move the last window asked for
+        self._uncore_bad = 0.0                    # an uncore limit that broke the floor
+        self._uncore_done = False                 # its descent is over for this workload
         self._refused: set[str] = set()          # actuators the machine would not take
 
     # -- the step ----------------------------------------------------------------------------
@@ -393,7 +420,9 @@ class EfficiencyController:
                 self._steady_since, self._threads = o.time_s, o.threads
                 self._window, self._temps = None, []
                 self._forget()
-            if cfg.enabled:
+                if "uncore_ceiling" in self.active:    # learned for what no longer runs
+                    actions = [self._uncore_release(o, "the workload changed")]
+            if cfg.enabled and not actions:
                 actions = self._decide(o, throttled)
         self._prev = o
         self._set_state(o, decoding, throttled)
@@ -406,8 +435,10 @@ class EfficiencyController:
         self._points.clear()
         self._free_mhz, self._bad_mhz = None, 0.0
         self._sustained.clear()
-        self._fit: Fit | None = None
+        self._fit = None
         self._probed_s = None
+        self._uncore_bad = 0.0
+        self._uncore_done = False
 
     def _new_workload(self, o: Observation) -> bool:
         if o.gb_per_token is None:
@@ -446,8 +477,11 @@ class EfficiencyController:
         return bool(o.max_mhz) and "freq_ceiling" not in self._refused
 
     def _held(self, o: Observation) -> bool:
-        """A cap of ours holds the clock now (the busy frequency is at it)."""
+        """A cap of ours holds the clock now (the busy frequency is at it, or the uncore is
+        under its top)."""
         step = self.config.step_mhz
+        if "uncore_ceiling" in self.active:
+            return True
         if "freq_ceiling" in self.active and o.busy_mhz is not None:
             return o.busy_mhz >= self.params["freq_ceiling"]["mhz"] - step / 2
         if "rapl_pl1" in self.active and o.pkg_power_w is not None:
@@ -458,11 +492,12 @@ class EfficiencyController:
         """Add ``o`` to the open window; True when that completed a window (a new point)."""
         cfg = self.config
         if self._window is None:
-            self._window = _Window(o.time_s)
+            self._window = _Window(o.time_s, uncore=self._uncore_limit())
         held = self._held(o)
         thermal_holds = self._thermal_mhz is not None and \
             (self._energy_mhz is None or self._energy_mhz >= self._thermal_mhz)
-        self._window.add(o, not held, not held or thermal_holds)
+        lowered = "uncore_ceiling" in self.active        # the uncore is no one's sustained state
+        self._window.add(o, not held, (not held or thermal_holds) and not lowered)
         period = o.time_s - self._prev.time_s if self._prev is not None else 1.0
         if o.time_s - self._window.start_s + period + 1e-9 < cfg.dwell_s:
             return False
@@ -476,14 +511,23 @@ class EfficiencyController:
         if point.free:
             self._free_mhz = point.f
             self._learn_limit(o, point)
-        elif "freq_ceiling" in self.active:
-            fit = fit_inverse(list(self._points), o.gb_per_token)
+        elif "freq_ceiling" in self.active and self._uncore_done:
+            fit = fit_inverse(self._fit_points(), o.gb_per_token)
             floor = self._floor(fit, point.gb)
             if floor is not None and point.r + 2 * point.se < floor:
                 self._bad_mhz = max(self._bad_mhz, self.params["freq_ceiling"]["mhz"])
         return True
 
-    def _floor(self, fit: Fit | None, gb: float) -> float | None:
+    def _uncore_limit(self) -> float:
+        return float(self.params.get("uncore_ceiling", {}).get("mhz", 0.0))
+
+    def _fit_points(self) -> list[Point]:
+        """The points measured at today's uncore limit: the decode curve in f is another one
+        at another uncore clock."""
+        now = self._uncore_limit()
+        return [pt for pt in self._points if pt.uncore == now]
+
+    def _floor(self, fit: Fit | None, gb: float, share: float = 1.0) -> float | None:
         """The tokens/s decode must keep at ``gb`` bytes per token: ``1 - delta`` of what the
         package sustains — the latest windows at the free clock, or at the thermal guard's
         where it holds the clock (their mean, less two standard errors), carried by the fit to
@@ -499,7 +543,7 @@ class EfficiencyController:
             rates.append(pt.r * scale)
         mean = sum(rates) / len(rates)
         se = math.sqrt(sum(pt.se ** 2 for pt in self._sustained)) / len(self._sustained)
-        return (1 - self.config.delta_percent / 100) * (mean - 2 * se)
+        return (1 - share * self.config.delta_percent / 100) * (mean - 2 * se)
 
     def _learn_limit(self, o: Observation, point: Point) -> None:
         """Where the limit is unreadable: the free clock falling a bin or more while the
@@ -524,8 +568,17 @@ class EfficiencyController:
                 self._temps.append((o.time_s, o.pkg_temp_c))
                 del self._temps[:-600]
             completed = self._measure(o)
+        assert self._steady_since is not None      # step() set it: decode is steady
         if o.time_s - self._steady_since < cfg.steady_s:
             return []
+        core = self._core(o, throttled, settled, completed)
+        if core or not completed:
+            return core
+        return self._uncore_step(o)
+
+    def _core(self, o: Observation, throttled: bool, settled: bool,
+              completed: bool) -> list[Action]:
+        cfg = self.config
         if not self._ceiling_actuator(o):
             return self._pl1_guard(o, throttled, settled, completed)
         if throttled and o.busy_mhz is not None and o.time_s - self._changed_s >= 1.0:
@@ -576,11 +629,13 @@ class EfficiencyController:
         return math.ceil(mhz / step - 1e-6) * step
 
     def _energy(self, o: Observation) -> str | None:
-        """Update the energy target from the fit (or probe); a note when it changed."""
+        """Update the energy target from the fit (or probe); a note when it changed. Held while
+        the uncore steps down: one knob at a time, the core's first."""
         cfg = self.config
-        if not self._points or self._free_mhz is None:
+        if not self._points or self._free_mhz is None or \
+                ("uncore_ceiling" in self.active and not self._uncore_done):
             return None
-        fit = fit_inverse(list(self._points), o.gb_per_token) or self._fit
+        fit = fit_inverse(self._fit_points(), o.gb_per_token) or self._fit
         free = self._free_mhz
         if fit is None:
             if self._energy_mhz is not None or self._probing:
@@ -660,7 +715,7 @@ class EfficiencyController:
         if limit is None:
             return None
         if not self._limit_known(o):
-            return limit        # learned where the firmware holds the clock: that is its own set point
+            return None     # learned where the firmware holds the clock: it holds it itself
         return limit - self.config.limit_margin_c
 
     def predict(self, o: Observation) -> tuple[float, float] | None:
@@ -763,11 +818,13 @@ class EfficiencyController:
 
     def _mhz_for_watts(self, o: Observation, watts: float) -> float:
         base_p, k, e = self._power_curve(o)
-        return (max(0.0, watts - base_p) / k) ** (1 / e)
+        # float(): typeshed gives float ** float as Any (a negative base makes a complex);
+        # the bases here and in _watts_for_mhz are never negative
+        return float((max(0.0, watts - base_p) / k) ** (1 / e))
 
     def _watts_for_mhz(self, o: Observation, mhz: float) -> float:
         base_p, k, e = self._power_curve(o)
-        return base_p + k * mhz ** e
+        return base_p + k * float(mhz ** e)
 
     def _temp_at(self, o: Observation, t_ss: float, mhz: float) -> float:
         """Where the package would settle at ``mhz``, on the measured power curve."""
@@ -807,11 +864,12 @@ class EfficiencyController:
         per_package = (o.pkg_power_packages_w is not None and o.pl1_firmware_packages_w
                        is not None and len(o.pkg_power_packages_w) ==
                        len(o.pl1_firmware_packages_w) > 1)
-        firmware = list(o.pl1_firmware_packages_w) if per_package else \
+        # `or ()` only for mypy, which cannot narrow through per_package: both are there
+        firmware = list(o.pl1_firmware_packages_w or ()) if per_package else \
             [o.pl1_firmware_w] if o.pl1_firmware_w is not None else None
         if not cfg.pl1 or firmware is None or o.pkg_power_w is None or o.busy_mhz is None:
             return []
-        powers = list(o.pkg_power_packages_w) if per_package else [o.pkg_power_w]
+        powers = list(o.pkg_power_packages_w or ()) if per_package else [o.pkg_power_w]
         read = list(o.pl1_packages_w or []) if per_package else \
             [o.pl1_w] if o.pl1_w is not None else []
         written = self.params.get("rapl_pl1", {}).get("pl1_w")
@@ -886,6 +944,60 @@ class EfficiencyController:
         return [Action("apply", "rapl_pl1", f"PL1 {_watts(current)} -> {_watts(caps)} (firmware "
                        f"{_watts(firmware)}, from {_watts(powers)} drawn): {why}",
                        {"pl1_w": value})]
+
+    # -- the uncore clock --------------------------------------------------------------------
+
+    def _uncore_settled(self, o: Observation) -> bool:
+        cfg = self.config
+        return (self._uncore_done or not cfg.uncore or o.uncore_max_mhz is None
+                or "uncore_ceiling" in self._refused)
+
+    def _uncore_step(self, o: Observation) -> list[Action]:
+        """Before the core's energy ceiling: the uncore one step down while the last window
+        kept half the floor's budget (``delta / 2``; the core's ceiling spends the rest), one
+        step back up and done when it did not, done at the bottom."""
+        cfg = self.config
+        top, bottom = o.uncore_max_mhz, o.uncore_min_mhz
+        if self._uncore_settled(o) or top is None or self._fit is None or self._probing:
+            return []
+        point = self._points[-1]
+        floor = self._floor(self._fit, o.gb_per_token or point.gb)
+        if floor is None:
+            return []
+        now = self._uncore_limit() or top
+        step = cfg.uncore_step_mhz
+        if point.r + 2 * point.se < floor:
+            self._uncore_done = True
+            if now >= top:
+                return []
+            self._uncore_bad = max(self._uncore_bad, now)
+            why = (f"{point.r:.2f} tok/s at {now:.0f} MHz is under {floor:.2f}, half the "
+                   "floor's budget: back up a step, and there for this workload")
+            return [self._uncore_release(o, why)] if now + step >= top else \
+                [self._uncore_apply(o, now + step, why)]
+        down = max(bottom or step, now - step)
+        if down <= self._uncore_bad or down >= now:
+            self._uncore_done = True
+            return []
+        return [self._uncore_apply(o, down, f"{point.r:.2f} tok/s at {now:.0f} MHz keeps "
+                                            f"{floor:.2f}, half the floor's budget: a step down")]
+
+    def _uncore_apply(self, o: Observation, mhz: float, why: str) -> Action:
+        before = self.params.get("uncore_ceiling", {}).get("mhz", o.uncore_max_mhz)
+        self._changed_s = o.time_s
+        self._window = None
+        if "uncore_ceiling" not in self.active:
+            self.active.append("uncore_ceiling")
+        self.params["uncore_ceiling"] = {"mhz": mhz}
+        return Action("apply", "uncore_ceiling", f"uncore {before:.0f} -> {mhz:.0f} MHz: {why}",
+                      {"mhz": mhz})
+
+    def _uncore_release(self, o: Observation, why: str) -> Action:
+        self._changed_s = o.time_s
+        self._window = None
+        self.active.remove("uncore_ceiling")
+        self.params.pop("uncore_ceiling", None)
+        return Action("release", "uncore_ceiling", f"uncore back to its top: {why}")
 
     def _release_all(self, why: str) -> list[Action]:
         out = [Action("release", rung, why, dict(self.params.pop(rung, {})))

@@ -15,8 +15,10 @@ from typing import Any, Callable
 from dsr1d.constants import (BUSY_MHZ, CEILING_MHZ, CPU_MAX_MHZ, CPU_MHZ, CPU_MIN_MHZ,
                              ENGINE_GB_PER_TOKEN, ENGINE_TOKENS_PER_S, LIMIT_REASONS, ONLINE_CPUS,
                              PKG_POWER_PACKAGES_W, PKG_POWER_W, PKG_TEMP_C, PL1_PACKAGES_W, PL1_W,
-                             TCC_OFFSET_C, THROTTLE_COUNT, THROTTLE_MS, TJ_MAX_C)
-from dsr1d.core.efficiency import Action, EfficiencyConfig, EfficiencyController, Observation
+                             TCC_OFFSET_C, THROTTLE_COUNT, THROTTLE_MS, TJ_MAX_C,
+                             UNCORE_LIMIT_MHZ, UNCORE_MAX_MHZ, UNCORE_MIN_MHZ)
+from dsr1d.core.efficiency import (Action, EfficiencyConfig, EfficiencyController, Observation,
+                                  RungParams)
 from dsr1d.core.manager import Manager
 from dsr1d.core.tuning import ApplyFailed, TuningError
 
@@ -46,7 +48,9 @@ def to_observation(values: dict[str, Any], start: float, threads: int | None = N
         pkg_power_packages_w=_tuple(values.get(PKG_POWER_PACKAGES_W)),
         pl1_packages_w=_tuple(values.get(PL1_PACKAGES_W)),
         pl1_firmware_packages_w=_tuple(pl1_firmware_packages_w),
-        gb_per_token=values.get(ENGINE_GB_PER_TOKEN))
+        gb_per_token=values.get(ENGINE_GB_PER_TOKEN),
+        uncore_max_mhz=values.get(UNCORE_MAX_MHZ), uncore_min_mhz=values.get(UNCORE_MIN_MHZ),
+        uncore_limit_mhz=values.get(UNCORE_LIMIT_MHZ))
 
 
 def busy_mhz(values: dict[str, Any]) -> float | None:
@@ -55,7 +59,8 @@ def busy_mhz(values: dict[str, Any]) -> float | None:
     not dilute it (a plain mean where the two lists do not match)."""
     if values.get(BUSY_MHZ) is not None:
         return float(values[BUSY_MHZ])
-    mhz, util = values.get(CPU_MHZ), values.get("cpu_util_percent")
+    mhz: list[float] | None = values.get(CPU_MHZ)
+    util: list[float] | None = values.get("cpu_util_percent")
     if not mhz:
         return None
     if util and len(util) == len(mhz) and sum(util) > 0:
@@ -63,11 +68,11 @@ def busy_mhz(values: dict[str, Any]) -> float | None:
     return sum(mhz) / len(mhz)
 
 
-def _tuple(values: Any) -> tuple | None:
+def _tuple(values: Any) -> tuple[float, ...] | None:
     return tuple(float(v) for v in values) if isinstance(values, (list, tuple)) else None
 
 
-def overlay_for(action: Action) -> dict[str, dict] | None:
+def overlay_for(action: Action) -> dict[str, dict[str, Any]] | None:
     """The profile sections an apply lays over the active profile (None: not a knob)."""
     if action.rung == "freq_ceiling":
         return {"cpufreq": {"max_mhz": int(round(action.params["mhz"]))}}
@@ -77,6 +82,8 @@ def overlay_for(action: Action) -> dict[str, dict] | None:
         each = [min(2000, max(1, int(round(w)))) for w in
                 (watts if isinstance(watts, list) else [watts])]
         return {"rapl": {"pl1_w": each if isinstance(watts, list) else each[0]}}
+    if action.rung == "uncore_ceiling":
+        return {"uncore": {"max_mhz": int(round(action.params["mhz"]))}}
     return None
 
 
@@ -160,10 +167,12 @@ class Mitigator:
             listener(names)
 
 
-def _describe(rung: str, params: dict[str, Any]) -> str:
+def _describe(rung: str, params: RungParams) -> str:
     if rung == "freq_ceiling" and "mhz" in params:
         return f"freq_ceiling {params['mhz']:.0f} MHz"
     if rung == "rapl_pl1" and "pl1_w" in params:
         watts = params["pl1_w"] if isinstance(params["pl1_w"], list) else [params["pl1_w"]]
         return "rapl_pl1 " + "+".join(f"{w:.0f}" for w in watts) + " W"
+    if rung == "uncore_ceiling" and "mhz" in params:
+        return f"uncore_ceiling {params['mhz']:.0f} MHz"
     return rung

@@ -26,10 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dsr1d.constants import UNCORE_LIMIT_MHZ, UNCORE_MAX_MHZ, UNCORE_MIN_MHZ
 from dsr1d.contract.hookspecs import hookimpl
 from dsr1d.contract.knobs import FileKnob
 from dsr1d.contract.schema import choice, either, integer, option
 from dsr1d.contract.sysroot import CPU_DIR, SysRoot
+from dsr1d.contract.telemetry import Unavailable
 from dsr1d.contract.tunable import Action, Setting, Skip, Support
 
 UNCORE_DIR = f"{CPU_DIR}/intel_uncore_frequency"
@@ -185,6 +187,35 @@ class Uncore:
         return settings
 
 
+class UncoreLimits:
+    """Telemetry: the uncore's firmware range and the limit in force (what the mitigation
+    controller lowers), the lowest over the packages."""
+
+    name = "uncore_limits"
+    summary = "uncore frequency range and limit (intel_uncore_frequency)"
+    priority = 75
+
+    def probe(self, root: SysRoot) -> Support:
+        return Uncore().probe(root)
+
+    def read(self, root: SysRoot, now: float) -> dict[str, Any]:
+        domains, _ = _domains(root)
+        if not domains:
+            raise Unavailable(_why_not(root))
+        try:
+            limit = min(int(root.read_fixed(f"{d.path}/max_freq_khz")) for d in domains)
+        except (OSError, ValueError) as exc:
+            raise Unavailable(f"uncore max_freq_khz: {exc}") from None
+        return {UNCORE_MAX_MHZ: min(d.high_khz for d in domains) / 1000.0,
+                UNCORE_MIN_MHZ: max(d.low_khz for d in domains) / 1000.0,
+                UNCORE_LIMIT_MHZ: limit / 1000.0}
+
+
 @hookimpl
 def register_tunables(register: Any) -> None:
     register(Uncore())
+
+
+@hookimpl
+def register_telemetry_sources(register: Any) -> None:
+    register(UncoreLimits())

@@ -157,6 +157,12 @@ class PlantParams:
     gb_growth_period_s: float = 0.0         # the KV cache grows gb_per_token every this (0: never)
     gb_growth_max: float = 0.0              # by up to this fraction of the weights' (uniform)
     gb_growth_seed: int = 0
+    # the uncore (mesh, last-level cache, memory controller): a knob where uncore_w > 0
+    uncore_w: float = 0.0                   # its power at the top uncore clock (0: no knob)
+    uncore_max_ghz: float = 2.4
+    uncore_min_ghz: float = 0.8
+    uncore_sat_ghz: float = 1.6             # where memory bandwidth stops growing with it
+    uncore_knee_p: float = 4.0              # how sharply (as overlap_p: larger, harder)
     # what the sensors add (observed only; the figures use the truth)
     tokens_noise: float = 0.0               # relative sigma of one tokens/s sample
     power_noise: float = 0.0                # relative sigma of one package-power sample
@@ -197,6 +203,7 @@ class Controls:
     threads: int | None = None              # None: every core
     load: float = 1.0
     ambient_c: float | None = None          # None: the params' ambient
+    uncore_ghz: float | None = None         # the uncore's max_freq_khz (None: the firmware's)
 
 
 class Plant:
@@ -254,7 +261,28 @@ class Plant:
         p = self.params
         static = p.p_static_w * max(0.5, 1.0 + p.leak_per_c * (t_die_c - p.leak_ref_c))
         v = p.v0 + p.kv_per_ghz * f_ghz
-        return static + load * cores * p.c_eff_nf * v * v * f_ghz
+        uncore = p.uncore_w * (self.uncore_ghz(load) / p.uncore_max_ghz) ** 2
+        return static + uncore + load * cores * p.c_eff_nf * v * v * f_ghz
+
+    def uncore_ghz(self, load: float | None = None) -> float:
+        """The uncore clock: its limit under load, the floor idle (the hardware's own scaling)."""
+        p, c = self.params, self.controls
+        if (c.load if load is None else load) <= 0:
+            return p.uncore_min_ghz
+        top = c.uncore_ghz if c.uncore_ghz is not None else p.uncore_max_ghz
+        return max(p.uncore_min_ghz, min(p.uncore_max_ghz, top))
+
+    def bandwidth_gbs(self) -> float:
+        """Memory bandwidth at today's uncore clock: saturating softly past ``uncore_sat_ghz``
+        (``(1 + (sat/f)^p)^(-1/p)``, normalised to 1 at the top clock)."""
+        p = self.params
+        if p.uncore_w <= 0:
+            return p.mem_bw_gbs
+
+        def reach(f: float) -> float:
+            q = p.uncore_knee_p
+            return float((1 + (p.uncore_sat_ghz / f) ** q) ** (-1 / q))
+        return p.mem_bw_gbs * reach(self.uncore_ghz()) / reach(p.uncore_max_ghz)
 
     def pl1_effective_w(self) -> float:
         p, c = self.params, self.controls
@@ -297,8 +325,8 @@ class Plant:
         p, n, u = self.params, self.threads(), self.controls.load
         if n <= 0 or u <= 0:
             return 0.0
-        t_mem = self.gb_per_token / p.mem_bw_gbs
-        t_cpu = t_mem * p.knee_ghz * p.cores / (max(f_ghz, 1e-3) * n)
+        t_mem = self.gb_per_token / self.bandwidth_gbs()
+        t_cpu = self.gb_per_token / p.mem_bw_gbs * p.knee_ghz * p.cores / (max(f_ghz, 1e-3) * n)
         if p.overlap_p >= 50:
             t = max(t_mem, t_cpu)
         else:
@@ -432,6 +460,7 @@ class Plant:
             "load": c.load,
             "ambient_c": amb,
             "limit_temp_c": p.t_limit_c,
+            "uncore_limit_mhz": (c.uncore_ghz or p.uncore_max_ghz) * 1000.0,
         }
         return dict(self.last)
 
@@ -463,6 +492,9 @@ class Plant:
             "pl1_w": s["pl1_w"] if p.sensors and intel else None,
             "pl1_firmware_w": p.pl1_w if p.sensors and intel else None,
             "gb_per_token": s["gb_per_token"],      # the engine's own figure: weights + KV read
+            "uncore_max_mhz": p.uncore_max_ghz * 1000.0 if p.uncore_w > 0 else None,
+            "uncore_min_mhz": p.uncore_min_ghz * 1000.0 if p.uncore_w > 0 else None,
+            "uncore_limit_mhz": s["uncore_limit_mhz"] if p.uncore_w > 0 else None,
         }
 
     # -- a fake root -------------------------------------------------------------------------
@@ -503,6 +535,8 @@ class Plant:
             controls[f"{CPU}/cpufreq/boost"] = "0" if c.no_turbo else "1"
         for n in range(p.cores):
             self._cpu_files(f"{CPU}/cpu{n}", n, state, controls)
+        if p.uncore_w > 0:
+            self._uncore_files(state, controls)
         written = self._written.setdefault(str(root), {})
         for rel, text in state.items():
             if written.get(rel) != text or not (root / rel).exists():
@@ -538,6 +572,17 @@ class Plant:
                 del files[rel]
         return files
 
+    def _uncore_files(self, state: dict[str, str], controls: dict[str, str]) -> None:
+        """intel_uncore_frequency's package directory: the firmware's range, the limits."""
+        p, c = self.params, self.controls
+        d = f"{UNCORE}/package_00_die_00"
+        state[f"{d}/initial_max_freq_khz"] = str(int(p.uncore_max_ghz * 1e6))
+        state[f"{d}/initial_min_freq_khz"] = str(int(p.uncore_min_ghz * 1e6))
+        state[f"{d}/current_freq_khz"] = str(int(round(self.uncore_ghz() * 1e6)))
+        top = c.uncore_ghz if c.uncore_ghz is not None else p.uncore_max_ghz
+        controls[f"{d}/max_freq_khz"] = str(int(round(top * 1e6)))
+        controls[f"{d}/min_freq_khz"] = str(int(p.uncore_min_ghz * 1e6))
+
     def _cpu_files(self, d: str, n: int, state: dict[str, str], controls: dict[str, str]) -> None:
         """One CPU's files: topology and EPB always, cpufreq where there is a driver, the
         throttle counters on Intel."""
@@ -562,6 +607,7 @@ class Plant:
 
 RAPL = "sys/class/powercap/intel-rapl:0"
 CPU = "sys/devices/system/cpu"
+UNCORE = f"{CPU}/intel_uncore_frequency"
 MAX_ENERGY_UJ = 262143328850
 
 
@@ -606,12 +652,16 @@ def read_controls(root: Path) -> dict[str, Any]:
                 if (v := _int(f)) is not None]
     if ceilings:
         out["ceiling_ghz"] = min(ceilings) / 1e6
+    uncore = _int(root / UNCORE / "package_00_die_00" / "max_freq_khz")
+    if uncore is not None:
+        out["uncore_ghz"] = uncore / 1e6
     return out
 
 
 def apply_controls(plant: Plant, controls: dict[str, Any]) -> None:
     """Set the plant's controls from a `read_controls` result."""
-    for key in ("pl1_w", "ceiling_ghz", "no_turbo", "epb", "threads", "load", "ambient_c"):
+    for key in ("pl1_w", "ceiling_ghz", "no_turbo", "epb", "threads", "load", "ambient_c",
+                "uncore_ghz"):
         if key in controls:
             setattr(plant.controls, key, controls[key])
 

@@ -131,6 +131,8 @@ class Dsr1d(Policy):
                 c.ceiling_ghz = a.params["mhz"] / 1000.0 if a.kind == "apply" else None
             elif a.rung == "rapl_pl1":
                 c.pl1_w = float(a.params["pl1_w"]) if a.kind == "apply" else None
+            elif a.rung == "uncore_ceiling":
+                c.uncore_ghz = a.params["mhz"] / 1000.0 if a.kind == "apply" else None
         self.state = self.controller.state
         return actions
 
@@ -260,12 +262,15 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def compare(scenario: Scenario, seconds: float = 600.0,
-            config: EfficiencyConfig | None = None) -> dict[str, Any]:
-    """stock, dsr1d and the oracle on one plant, with dsr1d's ratios to both."""
+            config: EfficiencyConfig | None = None,
+            runs: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """stock, dsr1d and the oracle on one plant, with dsr1d's ratios to both; ``runs``: this
+    plant's `ceiling_runs` over ``seconds`` where already made (stock and the oracle from them)."""
     cfg = config or EfficiencyConfig()
-    stock = figures(run(scenario, Policy(), seconds))
+    runs = runs if runs is not None else ceiling_runs(scenario, seconds)
+    stock = runs["stock"]
     ours = figures(run(scenario, Dsr1d(cfg), seconds))
-    best_name, best = oracle(scenario, seconds, cfg.delta_percent)
+    best_name, best = best_fixed(runs, cfg.delta_percent)
     would_throttle = stock["first_thermal_event_s"] is not None
     lead = None
     if would_throttle:
