@@ -20,8 +20,7 @@ sys.path.insert(0, str(BENCH))
 
 import results  # noqa: E402
 
-# bench/mitigation.py has its own owner and is not wired yet.
-WRITERS = sorted(p for p in BENCH.glob("*.py") if p.name not in ("results.py", "mitigation.py"))
+WRITERS = sorted(p for p in BENCH.glob("*.py") if p.name != "results.py")
 BEGIN = re.compile(r"<!-- bench:([^ ]+) begin -->\n")
 PAGE_TEXT = ("# Results\n\r\ntyped prose — kept\n\n<!-- bench:one begin -->\nold one\n"
              "<!-- bench:one end -->\nbetween\n<!-- bench:two begin -->\nold two\n"

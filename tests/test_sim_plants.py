@@ -7,6 +7,7 @@ Simulated time only: nothing here sleeps or measures the wall clock.
 from __future__ import annotations
 
 import csv
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 
 from dsr1d.sim.plant import CPU, RAPL, Controls, Plant, apply_controls, read_controls
 from dsr1d.sim.run import Ceiling, Policy, figures, run
-from dsr1d.sim.scenarios import Scenario, plants
+from dsr1d.sim.scenarios import FAMILIES, Scenario, families, plants
 from dsr1d.sim.sim import simulate_main
 
 PLANTS = plants()
@@ -242,6 +243,48 @@ def test_inlet_spike_is_180_s_of_10_degrees_then_back() -> None:
     before, during = mean(rows, "freq_mhz", 240, 300), mean(rows, "freq_mhz", 420, 480)
     after = mean(rows, "freq_mhz", 840, 900)
     assert during < before - 200 and after > during + 200
+
+
+# -- families ------------------------------------------------------------------------------------
+
+def test_families_are_seeded_and_reproducible() -> None:
+    def params(n: int, seed: int) -> dict[str, list[Any]]:
+        return {f: [sc.params for sc in scs] for f, scs in families(n, seed).items()}
+    one = params(4, 3)
+    assert list(one) == list(FAMILIES) and all(len(ps) == 4 for ps in one.values())
+    assert one == params(4, 3)
+    other = params(4, 4)
+    for family in FAMILIES:      # every plant differs from the other seed's (names aside)
+        for a, b in zip(one[family], other[family]):
+            assert a.name != b.name and replace(a, name="") != replace(b, name="")
+    assert {f: ps[:2] for f, ps in one.items()} == params(2, 3)     # n grows: the first stay
+    spikes = [sc.description for sc in families(3, 3)["inlet-spike"]]
+    assert spikes == [sc.description for sc in families(3, 3)["inlet-spike"]]
+    assert spikes != [sc.description for sc in families(3, 4)["inlet-spike"]]
+
+
+def test_each_family_keeps_its_named_plants_shape() -> None:
+    fam = families(5, 1)
+    names = [sc.name for scs in fam.values() for sc in scs]
+    assert len(set(names)) == len(names)
+    for sc in fam["pl1-only"]:
+        assert not sc.params.cpufreq_ceiling and sc.params.pl1_writable
+        assert 0.16 <= sc.params.r_sink_amb_k_per_w <= 0.32 and 1.2 <= sc.params.knee_ghz <= 3
+    for sc in fam["burst-then-sustain"]:
+        assert 150 <= sc.params.pl1_w <= 260 and sc.params.pl2_w == 420
+    assert all(sc.params.gb_growth_period_s == 90 for sc in fam["drift"])
+    assert len({sc.params.gb_growth_seed for sc in fam["drift"]}) == 5
+    for sc in fam["amd"]:
+        assert sc.params.throttle == "slope" and sc.params.tj_max_c in (90, 95, 100)
+    assert all(2.6 <= sc.params.f_allcore_ghz <= 3.2 for sc in fam["turbo-above-allcore"])
+    for sc in fam["never-hot"]:
+        rows = run(sc, Policy(), 1800)
+        assert rows[-1]["events"] == 0 and max(r["pkg_temp_c"] for r in rows) < 103
+    for sc in fam["inlet-spike"]:
+        amb = [r["ambient_c"] for r in run(sc, Policy(), 900)]
+        hot = [i for i, a in enumerate(amb) if a > sc.params.ambient_c]
+        assert 200 <= hot[0] <= 501 and 119 <= len(hot) <= 241
+        assert hot == list(range(hot[0], hot[-1] + 1)) and 5 <= max(amb) - amb[0] <= 12
 
 
 # -- the command line and the fake root ----------------------------------------------------------

@@ -776,8 +776,10 @@ class EfficiencyController:
             t_up = self._temp_at(o, t_ss, up)
             if t_up >= t_set - RELAX_MARGIN_C:
                 return None
-            running = self._bin_up(self._free_mhz or o.busy_mhz)
-            self._thermal_mhz = None if up >= min(self._top(o), running) else up
+            # a ceiling the clock already runs under holds nothing: let it go (the guard
+            # cuts again if the heat comes back)
+            idle_cap = o.busy_mhz < self._thermal_mhz - cfg.step_mhz / 2
+            self._thermal_mhz = None if up >= self._top(o) or idle_cap else up
             return (f"thermal relaxed: settling at {t_ss:.1f} °C, {t_up:.1f} °C predicted one bin "
                     f"up, under {t_set:.1f} °C")
         return None

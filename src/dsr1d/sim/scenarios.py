@@ -69,6 +69,32 @@ knee allows); heat capacities ×0.3–3 (log-uniform), heat-sink
 resistance ×0.7–1.4; V–f slope 0.10–0.20 V/GHz; leakage 0.5–2 %/°C; inlet 20–35 °C; a third of
 the plants get an inlet step of +3–10 °C at 150–400 s.
 
+Families (`families`): for each shape of issue #28, ``n`` plants drawn around its named plant,
+reproducible from ``seed`` (each family from its own stream, so one family's draws do not move
+another's, and the first ``n`` plants stay the same when ``n`` grows). The decode curve is the
+least known parameter of all (no published frequency sweep: `dsr1d.sim.plant`), so every family
+draws a knee, uniform 1–3 GHz unless said, and the ensemble's decode elasticity 0.05–0.5 at the
+clock every core gets at turbo (``overlap_p`` solved from both); the rest is the named plant's:
+
+* ``pl1-only``: no cpufreq; heat-sink resistance 0.16–0.32 K/W (the XEON's 0.24 ×0.7–1.3, as the
+  ensemble spreads it: unthrottled at turbo every one would settle at 114–170 °C, so heat is
+  always a reason to cap PL1), knee 1.2–3 GHz (``pl1-only-cool``'s knee to the hard end).
+* ``burst-then-sustain``: PL1 150–260 W under PL2 420 W (tau 28 s; turbo draws about 320 W):
+  after the burst PL1 holds from about 2.1 GHz to about 3.2 GHz; the cool 0.12 K/W of
+  ``burst-sustain`` (60–82 °C): never thermal.
+* ``drift``: the ``drift`` plant with its own growth seed, knee 1–3 GHz and a heat-sink
+  resistance of 0.16–0.32 K/W; run for 30 minutes (`FAMILY_SECONDS`), because the drift is the
+  point: at one step per 90 s, ten minutes show only six.
+* ``amd``: ``amd-90``, ``amd-95`` or ``amd-100`` (a third each), knee 1–3 GHz.
+* ``turbo-above-allcore``: all-core turbo 2.6–3.2 GHz under the 3.8 GHz that
+  ``cpuinfo_max_freq`` shows (server parts with a 3.8 GHz one-core turbo list their all-core
+  turbo around 3 GHz); elasticity taken at the all-core clock.
+* ``never-hot``: big heat sinks, 4000–12000 J/K (log-uniform) at 0.08–0.13 K/W to the inlet:
+  they settle at 83–102 °C, under the 105 °C limit, with time constants of 5–26 minutes, so a
+  line through the first minutes may cross the limit while the plant never does.
+* ``inlet-spike``: ``step-tcc`` with the inlet +5–12 °C from 200–500 s for 120–240 s (a CRAC
+  unit cycling, a neighbour's exhaust).
+
 Sensors are exact unless ``real_sensors`` (`with_real_sensors`): each sample of the engine's
 tokens/s then carries 0–3 % noise (one interval's rate: sampling, prompt lengths), package power
 0–2 %, and the temperature reads in whole degrees (coretemp, x86_pkg_temp) or 0.125 °C (AMD's
@@ -270,4 +296,67 @@ def ensemble(n: int, seed: int = 0, elasticity: tuple[float, float] = ELASTICITY
                             description=f"knee {knee:.2f} GHz, p {params.overlap_p:.1f}, "
                                         f"{params.throttle}")
         out.append(with_real_sensors(scenario, seed) if real_sensors else scenario)
+    return out
+
+
+FAMILIES = ("pl1-only", "burst-then-sustain", "drift", "amd", "turbo-above-allcore", "never-hot",
+            "inlet-spike")
+# simulated seconds a family's plants run where ten minutes would not show their shape
+FAMILY_SECONDS = {"drift": 1800.0}
+
+
+def _decode_curve(rng: random.Random, p: PlantParams, knee: tuple[float, float] = (1.0, 3.0)
+                  ) -> PlantParams:
+    """``p`` with a knee drawn from ``knee`` and the ensemble's elasticity at the all-core clock."""
+    k, elasticity = rng.uniform(*knee), rng.uniform(*ELASTICITY)
+    f = p.f_allcore_ghz or p.f_turbo_ghz
+    return replace(p, knee_ghz=k, overlap_p=_overlap_for(elasticity, k, f))
+
+
+def _family_plant(family: str, rng: random.Random, name: str) -> Scenario:
+    """One plant of ``family`` drawn from ``rng`` (module docstring)."""
+    schedule = None
+    if family == "pl1-only":
+        p = replace(_decode_curve(rng, PL1_ONLY, (1.2, 3.0)),
+                    r_sink_amb_k_per_w=rng.uniform(0.16, 0.32))
+        what = f"r_sink {p.r_sink_amb_k_per_w:.2f} K/W"
+    elif family == "burst-then-sustain":
+        p = replace(_decode_curve(rng, BURST_SUSTAIN), pl1_w=rng.uniform(150.0, 260.0),
+                    pl2_w=420.0)
+        what = f"PL1 {p.pl1_w:.0f} W"
+    elif family == "drift":
+        p = replace(_decode_curve(rng, drift(rng.randrange(1 << 30))),
+                    r_sink_amb_k_per_w=rng.uniform(0.16, 0.32))
+        what = f"r_sink {p.r_sink_amb_k_per_w:.2f} K/W, growth seed {p.gb_growth_seed}"
+    elif family == "amd":
+        p = _decode_curve(rng, amd_slope(rng.choice((90, 95, 100))))
+        what = f"Tctl {p.tj_max_c:.0f} °C"
+    elif family == "turbo-above-allcore":
+        p = _decode_curve(rng, replace(TURBO_ABOVE_ALLCORE, f_allcore_ghz=rng.uniform(2.6, 3.2)))
+        what = f"all-core {p.f_allcore_ghz:.2f} GHz"
+    elif family == "never-hot":
+        log_c = rng.uniform(math.log(4000.0), math.log(12000.0))
+        p = replace(_decode_curve(rng, NEVER_HOT), c_sink_j_per_k=math.exp(log_c),
+                    r_sink_amb_k_per_w=rng.uniform(0.08, 0.13))
+        what = f"c_sink {p.c_sink_j_per_k:.0f} J/K, r_sink {p.r_sink_amb_k_per_w:.3f} K/W"
+    elif family == "inlet-spike":
+        p = _decode_curve(rng, STEP_TCC)
+        at, seconds, delta = rng.uniform(200.0, 500.0), rng.uniform(120.0, 240.0), \
+            rng.uniform(5.0, 12.0)
+        schedule = _inlet_spike(at, seconds, delta)
+        what = f"inlet +{delta:.1f} °C at {at:.0f} s for {seconds:.0f} s"
+    else:
+        raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    p = replace(p, name=name)
+    return Scenario(name, p, schedule, description=f"{what}; knee {p.knee_ghz:.2f} GHz, "
+                                                   f"p {p.overlap_p:.1f}")
+
+
+def families(n: int, seed: int = 0) -> dict[str, list[Scenario]]:
+    """``n`` plants of each family of `FAMILIES`, drawn around the named plants of issue #28
+    (module docstring), reproducible from ``seed``."""
+    out = {}
+    for family in FAMILIES:
+        rng = random.Random(f"{seed}-{family}")
+        out[family] = [_family_plant(family, rng, f"{family}-{seed}-{i}") for i in range(n)]
     return out
