@@ -386,6 +386,7 @@ class EfficiencyController:
         self._fit: Fit | None = None
         self._asked_mhz: float | None = None      # a one-bin move the last window asked for
         self._uncore_bad = 0.0                    # an uncore limit that broke the floor
+        self._thermal_moved_s = -math.inf         # when the thermal target last moved
         self._uncore_done = False                 # its descent is over for this workload
         self._refused: set[str] = set()          # actuators the machine would not take
 
@@ -600,6 +601,7 @@ class EfficiencyController:
         cfg = self.config
         assert o.busy_mhz is not None
         applied = self._in_force(o)
+        self._thermal_moved_s = o.time_s
         self._thermal_mhz = self._bin_down(max(min(o.busy_mhz, applied) - cfg.step_mhz,
                                                applied - cfg.max_move_bins * cfg.step_mhz), o)
 
@@ -642,11 +644,16 @@ class EfficiencyController:
                 return None
             return self._probe(o, self._bin_down(free - cfg.probe_bins * cfg.step_mhz, o),
                                f"{cfg.probe_bins} bins under the free {free:.0f} MHz")
+        probed = self._probing
         self._probing = False
         self._fit = fit                       # held windows show no spread: the last fit stands
         floor = self._floor(fit, o.gb_per_token or self._points[-1].gb)
         if floor is None:
             return None
+        if probed and self._energy_mhz is not None and self._points[-1].r < floor:
+            # a probe whose window fell under the floor, even within its noise, is not
+            # tried again this workload (each try costs a window under the floor)
+            self._bad_mhz = max(self._bad_mhz, self._energy_mhz)
         nominal = self._lowest_mhz(fit, floor, o)
         want = self._lowest_mhz(fit.steeper(), floor, o)
         # no further than a probe's depth under the lowest clock measured: a decode curve can
@@ -657,11 +664,21 @@ class EfficiencyController:
         if self._probed_s is not None and want - nominal >= cfg.step_mhz and \
                 o.time_s - self._probed_s >= cfg.reprobe_s and nominal < free - cfg.step_mhz / 2:
             return self._probe(o, nominal, "the fit's own answer, to narrow its slope")
+        slack = self._slack_mhz(o, floor)
+        if slack is not None and want >= slack and \
+                o.time_s - (self._probed_s or -math.inf) >= cfg.reprobe_s:
+            return self._probe(o, slack, "a bin under a ceiling whose windows keep the floor "
+                                         "with room to spare")
         if want >= free - cfg.step_mhz / 2 or \
                 (self._energy_mhz is None and want > free - cfg.probe_bins * cfg.step_mhz):
             # a ceiling at or over the free clock would not bind; a first one must be worth
             # an action (as deep as a probe)
             want = self._top(o)
+        if self._thermal_mhz is not None and want < self._thermal_mhz and \
+                o.time_s - self._thermal_moved_s < cfg.horizon_s:
+            # the guard is still finding what the heat allows (its cuts under throttling
+            # overshoot, its relaxes come a bin at a time): no energy cut under it yet
+            want = max(want, self._thermal_mhz)
         limit = cfg.max_move_bins * cfg.step_mhz
         previous = self._energy_mhz
         if previous is None:
@@ -685,6 +702,24 @@ class EfficiencyController:
         return (f"energy: {want:.0f} MHz keeps tokens/s over {floor:.2f}, within "
                 f"{cfg.delta_percent:g} % of the free {free:.0f} MHz's (fit 1/R = {fit.a:.4g} β "
                 f"+ {fit.b:.4g}/f, elasticity {elasticity:.2f} there)")
+
+    def _slack_mhz(self, o: Observation, floor: float) -> float | None:
+        """One bin under the energy ceiling in force when its last windows (three or more at
+        it) keep the floor by more than two standard errors of their mean: the evidence at the
+        ceiling, not the fit, says there is room (a noisy fit can hold a ceiling up for good)."""
+        if self._energy_mhz is None or self._thermal_mhz is not None and \
+                self._thermal_mhz <= self._energy_mhz:
+            return None
+        at = [pt for pt in self._fit_points() if abs(pt.f - self._energy_mhz) < 0.5 *
+              self.config.step_mhz]
+        if len(at) < 3:
+            return None
+        mean = sum(pt.r for pt in at) / len(at)
+        spread = math.sqrt(sum((pt.r - mean) ** 2 for pt in at) / (len(at) - 1))
+        down = self._bin_down(self._energy_mhz - self.config.step_mhz, o)
+        if mean - 2 * spread / math.sqrt(len(at)) <= floor or down <= self._bad_mhz:
+            return None
+        return down
 
     def _lowest_mhz(self, fit: Fit, floor: float, o: Observation) -> float:
         """The lowest whole bin keeping tokens/s over ``floor`` by ``fit`` at today's bytes per
@@ -766,6 +801,7 @@ class EfficiencyController:
             if want >= applied:
                 want = self._bin_down(applied - cfg.step_mhz, o)
             self._thermal_mhz = want
+            self._thermal_moved_s = o.time_s
             return (f"thermal: {want:.0f} MHz, the package would reach {t_set:.1f} °C in "
                     f"{t_hit:.0f} s (settling at {t_ss:.1f} °C, {o.pkg_power_w:.0f} W)")
         # relax slowly: the heat sink answers over minutes, a fit since the last change
@@ -780,6 +816,7 @@ class EfficiencyController:
             # cuts again if the heat comes back)
             idle_cap = o.busy_mhz < self._thermal_mhz - cfg.step_mhz / 2
             self._thermal_mhz = None if up >= self._top(o) or idle_cap else up
+            self._thermal_moved_s = o.time_s
             return (f"thermal relaxed: settling at {t_ss:.1f} °C, {t_up:.1f} °C predicted one bin "
                     f"up, under {t_set:.1f} °C")
         return None

@@ -228,9 +228,9 @@ class Manager:
                        ) -> dict[str, Profile]:
         profiles, broken = loaded or self.core.store.load_all()
         for error in broken:
-            name = error.file.rsplit("/", 1)[-1].removesuffix(".conf")
+            name = error.profile
             kept = " (keeping the previous version)" if name in previous else ""
-            log.error("profile rejected: %s%s", error, kept)
+            log.error("profile %s rejected: %s%s", name, error, kept)
             if name in previous:
                 profiles[name] = previous[name]
         if errors is not None:

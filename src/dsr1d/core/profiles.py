@@ -69,6 +69,7 @@ class ProfileError(Exception):
         self.file = str(file)
         self.line = line
         self.reason = reason
+        self.profile = Path(file).stem      # the profile it rejects (load_all: the one loaded)
         super().__init__(f"{file}:{line}: {reason}")
 
 
@@ -184,6 +185,7 @@ class ProfileStore:
             try:
                 profiles[name] = self.load(name)
             except ProfileError as exc:
+                exc.profile = name              # the error may sit in a profile it includes
                 errors.append(exc)
         return profiles, errors
 
