@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE_DIRS = {"dsr1d": REPO / "src" / "dsr1d"}
 
 # The shared leaves: small modules any layer may use, importing nothing of dsr1d themselves.
-SHARED = {"dsr1d", "dsr1d.constants", "dsr1d.cpu", "dsr1d.table", "dsr1d.textstream", "dsr1d.engine_messages"}
+SHARED = {"dsr1d", "dsr1d.constants", "dsr1d.cpu", "dsr1d.numa", "dsr1d.table",
+          "dsr1d.textstream", "dsr1d.engine_messages"}
 
 # layer -> the layers it may import (besides itself and the shared leaves).
 ALLOWED = {

@@ -13,9 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsr1d.core import placement
-from dsr1d.core.placement import (Cpu, Placement, Topology, bind_memory, describe, format_cpu_list,
-                             plan, read_topology)
+from dsr1d import numa
+from dsr1d.core.placement import (Cpu, Placement, Topology, describe, format_cpu_list, plan,
+                                  read_topology)
+from dsr1d.numa import bind_memory
 from dsr1d.contract.sysroot import SysRoot
 
 CPU = "sys/devices/system/cpu"
@@ -394,7 +395,7 @@ def test_bind_memory_to_no_node_is_a_no_op(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_bind_memory_reports_bad_nodes_instead_of_raising() -> None:
     assert "negative" in (bind_memory([-1]) or "")
-    if platform.machine() in placement.SET_MEMPOLICY_SYSCALL:
+    if platform.machine() in numa.SET_MEMPOLICY_SYSCALL:
         error = bind_memory([1000])  # no such node with memory: EINVAL
         assert error and error.startswith("set_mempolicy(MPOL_PREFERRED, nodes 1000) failed: ")
 
@@ -402,7 +403,7 @@ def test_bind_memory_reports_bad_nodes_instead_of_raising() -> None:
 GET_MEMPOLICY_SYSCALL = {"x86_64": 239, "aarch64": 236}
 CHECK_NODE0 = f"""
 import ctypes, platform, sys
-from dsr1d.core.placement import bind_memory
+from dsr1d.numa import bind_memory
 error = bind_memory([0])
 if error:
     print(error)
@@ -430,4 +431,4 @@ def test_bind_memory_to_node_0_of_this_machine() -> None:
         pytest.skip(f"this machine refuses memory policies: {out}")
     assert proc.returncode == 0, proc.stderr
     if platform.machine() in GET_MEMPOLICY_SYSCALL:
-        assert out == f"{placement.MPOL_PREFERRED} 1"
+        assert out == f"{numa.MPOL_PREFERRED} 1"

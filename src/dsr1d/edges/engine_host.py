@@ -41,7 +41,8 @@ import aiohttp
 
 from dsr1d.constants import NGRAM
 from dsr1d.contract.sysroot import SysRoot
-from dsr1d.core.placement import Placement, bind_memory, describe, plan, read_topology
+from dsr1d.core.placement import Placement, describe, plan, read_topology
+from dsr1d.numa import bind_memory
 from dsr1d.edges import engine_calibrate, engine_command
 from dsr1d import engine_messages as messages
 from dsr1d.table import human_size
