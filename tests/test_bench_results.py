@@ -20,7 +20,8 @@ sys.path.insert(0, str(BENCH))
 
 import results  # noqa: E402
 
-WRITERS = sorted(p for p in BENCH.glob("*.py") if p.name != "results.py")
+# results.py writes the pages and random_gguf.py writes models: neither measures anything
+WRITERS = sorted(p for p in BENCH.glob("*.py") if p.name not in ("results.py", "random_gguf.py"))
 BEGIN = re.compile(r"<!-- bench:([^ ]+) begin -->\n")
 PAGE_TEXT = ("# Results\n\r\ntyped prose — kept\n\n<!-- bench:one begin -->\nold one\n"
              "<!-- bench:one end -->\nbetween\n<!-- bench:two begin -->\nold two\n"

@@ -1,0 +1,147 @@
+"""dsr1d's K-quant kernels (tools/llama-patches/kquant-vnni.patch) answer as the release's do.
+
+On a CPU with AVX-512 VNNI, Q4_K, Q5_K and Q6_K matrices are repacked at load into the
+``CPU_DSR1D_KQ`` buffer and multiplied by dsr1d's kernels; ``DSR1D_KQUANTS=0`` turns them off, which
+leaves llama.cpp's own K-quant kernels (the release's). Both quantize the activations the same way
+(Q8_K), so the logits may differ only by the order of float sums. Checked on SmolLM2-135M-Instruct
+requantized from its file to each type (its 576-wide matrices cannot be K-quants: llama-quantize
+keeps them in a fallback type, so its ffn_down are the K-quant products) with the perplexity of a
+shipped text, and on a random model of R1's vocabulary where every matrix is a K-quant, at one,
+seven and 64 tokens a batch (the one-row, the four-row plus remainder and the prompt paths;
+llama.cpp takes its tiled K-quant path from eight rows, which sums in another order).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dsr1d.cpu import cpu_flags
+from engine_fixtures import smollm2  # noqa: F401  (fixture)
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "src" / "dsr1d" / "engine" / "corpus.txt"
+HAS_KERNELS = {"avx512_vnni", "avx512bw"} <= cpu_flags()
+BUFFER = "CPU_DSR1D_KQ"
+
+# loads the file with llama-cpp-python (dsr1d's build), evaluates the ids n_batch at a time with
+# every position's logits kept, saves them, and prints the log (where the buffers are named)
+EVAL = """
+import json, sys
+import numpy as np
+import llama_cpp
+path, ids, n_batch, out = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+llm = llama_cpp.Llama(model_path=path, n_ctx=max(128, len(ids)), n_batch=n_batch,
+                      n_ubatch=n_batch, n_threads=2, logits_all=True, verbose=True)
+llm.eval(ids)
+np.save(out, np.array(llm.scores[: len(ids)], dtype=np.float32))
+"""
+
+QUANTIZE = """
+import sys
+import llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + sys.argv[3])
+params.allow_requantize = True
+params.nthread = 2
+rc = llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params)
+sys.exit(rc)
+"""
+
+
+def _run(code: str, *args: str, kernels: bool = True) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, DSR1D_KQUANTS="1" if kernels else "0")
+    proc = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _logits(path: Path, ids: list[int], n_batch: int, kernels: bool, tmp: Path) -> tuple[np.ndarray, str]:
+    out = tmp / f"logits-{kernels}-{n_batch}.npy"
+    proc = _run(EVAL, str(path), json.dumps(ids), str(n_batch), str(out), kernels=kernels)
+    return np.load(out), proc.stderr
+
+
+def _perplexity(logits: np.ndarray, ids: list[int]) -> float:
+    z = logits[:-1] - logits[:-1].max(axis=1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    return float(np.exp(-logp[np.arange(len(ids) - 1), ids[1:]].mean()))
+
+
+def _tokens(path: Path, n: int) -> list[int]:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    return llm.tokenize(CORPUS.read_text(encoding="utf-8").encode(), add_bos=True)[:n]
+
+
+@pytest.fixture(scope="module")
+def requantized(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:  # noqa: F811
+    out = tmp_path_factory.mktemp("kquants")
+    files = {}
+    for ftype in ("Q4_K_M", "Q5_K_M", "Q6_K"):
+        files[ftype] = out / f"smollm2-{ftype}.gguf"
+        _run(QUANTIZE, str(smollm2), str(files[ftype]), ftype)
+    return files
+
+
+@pytest.fixture(scope="module")
+def random_r1(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import random_gguf
+
+    out = tmp_path_factory.mktemp("random-kquants")
+    files = {}
+    for ftype in ("Q4_K_M", "Q5_K_M", "Q6_K"):
+        files[ftype] = out / f"draft-{ftype}.gguf"
+        random_gguf.write("draft", ftype, files[ftype])
+    return files
+
+
+def _check_buffer(log_on: str, log_off: str) -> None:
+    # the kernels are in use exactly where the CPU has them, and never with DSR1D_KQUANTS=0
+    assert (BUFFER in log_on) == HAS_KERNELS, log_on[-2000:]
+    assert BUFFER not in log_off
+
+
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M", "Q6_K"])
+def test_smollm2_perplexity_matches_the_release_kernels(ftype: str, requantized: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    path = requantized[ftype]
+    ids = _tokens(path, 256)
+    on, log_on = _logits(path, ids, 64, True, tmp_path)
+    off, log_off = _logits(path, ids, 64, False, tmp_path)
+    _check_buffer(log_on, log_off)
+    ppl_on, ppl_off = _perplexity(on, ids), _perplexity(off, ids)
+    assert abs(ppl_on / ppl_off - 1) < 0.005, (ppl_on, ppl_off)
+    # The activations are requantized at every layer, so float order alone moves a rounding here
+    # and there (the release's own two K-quant paths differ as much); a wrong scale, min or bit
+    # turns the model's top token into noise.
+    assert (on.argmax(axis=1) == off.argmax(axis=1)).mean() >= 0.9
+
+
+@pytest.mark.parametrize("n_batch", [1, 7, 64])
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M", "Q6_K"])
+def test_every_matrix_a_k_quant_gives_the_release_logits(ftype: str, n_batch: int,
+                                                        random_r1: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    path = random_r1[ftype]
+    ids = list(range(10, 10 + (12 if n_batch == 1 else 64)))
+    on, log_on = _logits(path, ids, n_batch, True, tmp_path)
+    off, log_off = _logits(path, ids, n_batch, False, tmp_path)
+    _check_buffer(log_on, log_off)
+    assert np.isfinite(off).all()
+    # one row at a time both sides sum alike (equal to 1 % of the spread); in batches of 8+ the
+    # release takes its tiled path, whose float order moves a few activation roundings: the
+    # differences stay a few hundredths of the spread, where a wrong scale, min or bit is the
+    # spread itself
+    rms = float(np.sqrt(np.mean((on - off) ** 2)))
+    assert rms < (0.01 if n_batch == 1 else 0.03) * off.std(), rms
+    assert (on.argmax(axis=1) == off.argmax(axis=1)).mean() >= 0.9
