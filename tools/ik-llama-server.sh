@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Builds ik_llama.cpp's llama-server for this CPU, once, as a peer for bench/inference.py, and
+# prints the path of the binary. Built the way tools/llama-server.sh builds dsr1d's and the
+# release's (GGML_NATIVE=ON, static, Release, no curl), so the three differ only in their sources.
+#
+# The source is ik_llama.cpp at $DSR1D_IK_COMMIT (default the commit issue 27 measured), cloned
+# from $DSR1D_IK_REPO (default GitHub), or the tree in $DSR1D_IK_SOURCE (a local checkout: no
+# network). Cached in $DSR1D_WHEEL_CACHE (default /var/cache/dsr1d-build) in a folder named
+# ik-llama-server-COMMIT-MACHINE-FLAGS after the CPU's vector extensions. A cold build takes about
+# 15 minutes on 2 cores (its iqk kernels are large); the bench calls this before it times anything.
+#
+# Usage: tools/ik-llama-server.sh
+set -euo pipefail
+. "$(dirname "$0")/llama-source.sh"
+COMMIT=${DSR1D_IK_COMMIT:-8337e4cd3861406fc04e0854b1409cd1b027fbc9}
+REPO=${DSR1D_IK_REPO:-https://github.com/ikawrakow/ik_llama.cpp}
+dir="$CACHE/ik-llama-server-${COMMIT:0:12}-$(uname -m)-${flags:-generic}"
+if ! [ -x "$dir/llama-server" ]; then
+    echo "dsr1d bench: building ik_llama.cpp's llama-server (${COMMIT:0:12}) for this CPU; about 15 minutes on 2 cores, once" >&2
+    mkdir -p "$CACHE"
+    tmp=$(mktemp -d "$CACHE/.build.XXXXXX")
+    trap 'rm -rf "$tmp"' EXIT
+    if [ -n "${DSR1D_IK_SOURCE:-}" ]; then
+        cp -a "$DSR1D_IK_SOURCE" "$tmp/src"
+    else
+        git init -q "$tmp/src"
+        git -C "$tmp/src" fetch -q --depth 1 "$REPO" "$COMMIT"
+        git -C "$tmp/src" checkout -q FETCH_HEAD
+    fi
+    if ! { cmake -S "$tmp/src" -B "$tmp/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+               -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+               -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON &&
+           cmake --build "$tmp/build" --target llama-server -j"$(nproc)"; } >"$tmp/build.log" 2>&1; then
+        tail -n 60 "$tmp/build.log" >&2
+        echo "ik-llama-server.sh: the build failed (the end of its log above)" >&2
+        exit 1
+    fi
+    cp "$tmp/build/bin/llama-server" "$tmp/llama-server"
+    strip "$tmp/llama-server"
+    rm -rf "$tmp/src" "$tmp/build" "$tmp/build.log"
+    chmod 755 "$tmp"
+    rm -rf "$dir"
+    mv "$tmp" "$dir"
+    trap - EXIT
+fi
+echo "$dir/llama-server"
