@@ -1,9 +1,9 @@
 """dsr1d's K-quant kernels (tools/llama-patches/kquant-vnni.patch) answer as the release's do.
 
-On a CPU with AVX-512 VNNI, Q4_K, Q5_K and Q6_K matrices are repacked at load into the
+On a CPU with AVX-512 VNNI, Q4_K, Q5_K, Q6_K and IQ4_XS matrices are repacked at load into the
 ``CPU_DSR1D_KQ`` buffer and multiplied by dsr1d's kernels; ``DSR1D_KQUANTS=0`` turns them off, which
 leaves llama.cpp's own K-quant kernels (the release's). Both quantize the activations the same way
-(Q8_K), so the logits may differ only by the order of float sums. Checked on SmolLM2-135M-Instruct
+(Q8_K; IQ4_XS too), so the logits may differ only by the order of float sums. Checked on SmolLM2-135M-Instruct
 requantized from its file to each type (its 576-wide matrices cannot be K-quants: llama-quantize
 keeps them in a fallback type, so its ffn_down are the K-quant products) with the perplexity of a
 shipped text, and on a random model of R1's vocabulary where every matrix is a K-quant, at one,
@@ -86,7 +86,7 @@ def _tokens(path: Path, n: int) -> list[int]:
 def requantized(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:  # noqa: F811
     out = tmp_path_factory.mktemp("kquants")
     files = {}
-    for ftype in ("Q4_K_M", "Q5_K_M", "Q6_K"):
+    for ftype in ("Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS"):
         files[ftype] = out / f"smollm2-{ftype}.gguf"
         _run(QUANTIZE, str(smollm2), str(files[ftype]), ftype)
     return files
@@ -99,7 +99,7 @@ def random_r1(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     out = tmp_path_factory.mktemp("random-kquants")
     files = {}
-    for ftype in ("Q4_K_M", "Q5_K_M", "Q6_K"):
+    for ftype in ("Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS"):
         files[ftype] = out / f"draft-{ftype}.gguf"
         random_gguf.write("draft", ftype, files[ftype])
     return files
@@ -111,7 +111,7 @@ def _check_buffer(log_on: str, log_off: str) -> None:
     assert BUFFER not in log_off
 
 
-@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M", "Q6_K"])
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS"])
 def test_smollm2_perplexity_matches_the_release_kernels(ftype: str, requantized: dict[str, Path],
                                                         tmp_path: Path) -> None:
     path = requantized[ftype]
@@ -128,7 +128,7 @@ def test_smollm2_perplexity_matches_the_release_kernels(ftype: str, requantized:
 
 
 @pytest.mark.parametrize("n_batch", [1, 7, 64])
-@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M", "Q6_K"])
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS"])
 def test_every_matrix_a_k_quant_gives_the_release_logits(ftype: str, n_batch: int,
                                                         random_r1: dict[str, Path],
                                                         tmp_path: Path) -> None:

@@ -27,6 +27,10 @@ if ! [ -x "$dir/llama-server" ]; then
         git -C "$tmp/src" fetch -q --depth 1 "$REPO" "$COMMIT"
         git -C "$tmp/src" checkout -q FETCH_HEAD
     fi
+    # a partial mirror may lack the web UI's assets; the bench never loads the UI, so empty ones do
+    for asset in public/index.html.gz public_llamacpp/index_llamacpp.html.gz public_llamacpp/loading.html; do
+        [ -e "$tmp/src/examples/server/$asset" ] || { mkdir -p "$(dirname "$tmp/src/examples/server/$asset")"; : >"$tmp/src/examples/server/$asset"; }
+    done
     if ! { cmake -S "$tmp/src" -B "$tmp/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
                -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
                -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON &&
