@@ -104,8 +104,13 @@ def test_ten_thousand_idle_connections_from_nobody_leave_the_daemon_serving(
         assert flooder.stdout is not None and flooder.stdin is not None
         connected = int(flooder.stdout.readline())
         assert connected >= FLOOD * 0.95, "the flood never reached the daemon"
-        held = len(_descriptors(daemon.pid))
-        assert held < 300, f"the daemon holds {held} descriptors after the flood"
+        # the last refused ones may still be in the accept backlog when the flood returns;
+        # within a few seconds (well before the 10 s header deadline) the daemon is back to a
+        # bounded table
+        held = lambda: len(_descriptors(daemon.pid))  # noqa: E731
+        eventually(lambda: held() < 300, timeout=4, interval=0.2,
+                   what="the daemon's descriptors back under 300 after the flood",
+                   detail=lambda: f"it holds {held()}")
 
         assert _unix_get(sock, "/metrics").status_code == 200            # root, unix socket
         keyed = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"),
