@@ -15,13 +15,15 @@ Files: random weights in the R1-Distill-Qwen shape (``--preset``) with the real 
 per file type (``--types``), in the tensor mix llama-quantize gives that type, written by
 ``bench/random_gguf.py`` into ``/var/tmp/dsr1d-bench/inference/`` before anything is timed.
 
-Per file, round after round (``--rounds``; the rows' order turns each round, which cancels drift),
-each row starts its own server, is warmed up, then measures prefill (``--prompt`` tokens, one
-request, ``prompt_per_second``) and decode (``--tokens`` tokens after each of ``--depths`` tokens
-of context, ``predicted_per_second``), greedy, no prompt cache. Medians are printed per file with
-dsr1d ÷ the best peer and the roofline: the memory read bandwidth (a probe: summing 1 GiB with
-the same threads) ÷ the bytes a decoded token reads (the file's tensors but ``token_embd``, a row
-lookup). Targets (issue 27): decode ≥ 1.10× the best peer for Q4_K_M, Q8_0 and Q4_0 and ≥ 0.90 of
+Per file, round after round (``--rounds``; the rows' order turns each round), the memory read
+bandwidth is probed (summing 1 GiB with the same threads), then each row starts its own server,
+is warmed up, and measures prefill (``--prompt`` tokens, one request, ``prompt_per_second``) and
+decode (``--tokens`` tokens after each of ``--depths`` tokens of context, ``predicted_per_second``;
+fewer tokens than asked is a failure), greedy, no prompt cache. A shared VM's bandwidth drifts by
+tens of per cent within minutes, so ratios are paired: dsr1d ÷ the best peer (by median) within
+each round, then the median of those; the roofline is each round's probe ÷ the bytes a decoded
+token reads (the file's tensors but ``token_embd``, a row lookup), dsr1d's fraction of it paired
+the same way. Targets (issue 27): decode ≥ 1.10× the best peer for Q4_K_M, Q8_0 and Q4_0 and ≥ 0.90 of
 the roofline (both meant at 16 cores), prompt ≥ the best peer; a missed one is printed as missed.
 It never fails: it reports. A peer that cannot be built or started is reported and left out.
 
@@ -171,7 +173,10 @@ def complete(server: Server, prompt: list[int], tokens: int) -> dict[str, float]
             "cache_prompt": False}
     reply = server.client.post("/completion", json=body)
     reply.raise_for_status()
-    return reply.json()["timings"]
+    timings = reply.json()["timings"]
+    if timings.get("predicted_n", tokens) != tokens:   # a short answer is no decode figure
+        raise RuntimeError(f"asked for {tokens} tokens, got {timings.get('predicted_n')}")
+    return timings
 
 
 def measure(server: Server, prompt: int, tokens: int, depths: list[int],
@@ -220,14 +225,20 @@ def ensure_files(preset: str, types: list[str]) -> dict[str, Path]:
     return paths
 
 
+Samples = dict[str, dict[str, dict[str, dict[int, float]]]]
+
+
 def run(args: argparse.Namespace, files: dict[str, Path], bins: dict[str, Path],
-        depths: list[int]) -> dict[str, dict[str, dict[str, list[float]]]]:
-    """samples[type][row][metric] over the rounds; a row that fails on a file is reported."""
+        depths: list[int]) -> tuple[Samples, dict[str, dict[int, float]]]:
+    """samples[type][row][metric][round], and bandwidth[type][round] probed just before that
+    file's round; a row that fails on a file is reported and has no sample for that round."""
     context = max(depths) + args.tokens + args.prompt + 64
     rows = list(bins)
-    samples: dict[str, dict[str, dict[str, list[float]]]] = {}
+    samples: Samples = {}
+    bandwidth: dict[str, dict[int, float]] = {}
     for n in range(args.rounds):
         for ftype, gguf in files.items():
+            bandwidth.setdefault(ftype, {})[n] = memory_bandwidth(args.threads)
             order = rows[n % len(rows):] + rows[:n % len(rows)]
             for row in order:
                 with tempfile.TemporaryDirectory() as tmp:
@@ -238,36 +249,46 @@ def run(args: argparse.Namespace, files: dict[str, Path], bins: dict[str, Path],
                         continue
                     try:
                         figures = measure(server, args.prompt, args.tokens, depths, n)
-                    except (httpx.HTTPError, KeyError) as exc:
+                    except (httpx.HTTPError, KeyError, RuntimeError) as exc:
                         print(f"{ftype} {row}: failed: {exc}", file=sys.stderr)
                         continue
                     finally:
                         server.stop()
                 for metric, value in figures.items():
                     samples.setdefault(ftype, {}).setdefault(row, {}).setdefault(
-                        metric, []).append(value)
+                        metric, {})[n] = value
                 print(f"round {n + 1} {ftype} {row}: " + ", ".join(
                     f"{k} {v:.2f}" for k, v in figures.items()), file=sys.stderr, flush=True)
-    return samples
+    return samples, bandwidth
 
 
-def summarize(samples: dict[str, dict[str, dict[str, list[float]]]], files: dict[str, Path],
-              bandwidth: float) -> list[dict[str, object]]:
-    """One record per file type and metric: medians, dsr1d ÷ best peer, roofline fraction."""
+def paired(numerator: dict[int, float], denominator: dict[int, float]) -> float | None:
+    """Median over the rounds both have of numerator ÷ denominator."""
+    both = sorted(set(numerator) & set(denominator))
+    return statistics.median(numerator[n] / denominator[n] for n in both) if both else None
+
+
+def summarize(samples: Samples, files: dict[str, Path],
+              bandwidth: dict[str, dict[int, float]]) -> list[dict[str, object]]:
+    """One record per file type and metric: medians, dsr1d ÷ best peer and dsr1d's fraction of
+    the roofline (both paired per round)."""
     records: list[dict[str, object]] = []
     for ftype, rows in samples.items():
-        roof = bandwidth / read_bytes_per_token(files[ftype])
+        per_token = read_bytes_per_token(files[ftype])
+        roof = {n: b / per_token for n, b in bandwidth[ftype].items()}
         metrics = sorted({m for r in rows.values() for m in r}, key=metric_order)
         for metric in metrics:
-            med = {row: statistics.median(v[metric]) for row, v in rows.items() if metric in v}
+            med = {row: statistics.median(v[metric].values())
+                   for row, v in rows.items() if metric in v}
             peers = {row: v for row, v in med.items() if row != "dsr1d"}
             best = max(peers, key=peers.__getitem__) if peers else None
-            ratio = med["dsr1d"] / peers[best] if best and "dsr1d" in med else None
+            ours = rows.get("dsr1d", {}).get(metric, {})
+            ratio = paired(ours, rows[best][metric]) if best else None
             record: dict[str, object] = {"type": ftype, "metric": metric, "tok_s": med,
                                          "best_peer": best, "vs_best_peer": ratio}
             if metric.startswith("decode"):
-                record["roofline_tok_s"] = roof
-                record["of_roofline"] = med.get("dsr1d", 0.0) / roof
+                record["roofline_tok_s"] = statistics.median(roof.values())
+                record["of_roofline"] = paired(ours, roof)
             record["verdict"] = verdict(ftype, metric, ratio, record.get("of_roofline"))
             records.append(record)
     return records
@@ -344,10 +365,12 @@ def main() -> None:
     # everything is built and written before anything is timed
     bins = binaries(rows)
     files = ensure_files(args.preset, types)
-    bandwidth = memory_bandwidth(args.threads)
     print(cpu_line())
-    print(f"{args.threads} threads; memory read bandwidth {bandwidth / 1e9:.1f} GB/s (probe)")
-    samples = run(args, files, bins, depths)
+    samples, bandwidth = run(args, files, bins, depths)
+    probes = sorted(b / 1e9 for per_file in bandwidth.values() for b in per_file.values())
+    band = (f"memory read bandwidth {statistics.median(probes):.1f} GB/s (median of "
+            f"{len(probes)} probes, {probes[0]:.1f}–{probes[-1]:.1f})")
+    print(f"{args.threads} threads; {band}")
     records = summarize(samples, files, bandwidth)
     present = [r for r in rows if r in bins]
     text = table(records, present)
@@ -356,8 +379,7 @@ def main() -> None:
     write(args.write, "inference",
           f"{args.preset} R1 shape, random weights, {args.threads} threads, prefill of "
           f"{args.prompt} tokens, decode of {args.tokens} after each depth, median of "
-          f"{args.rounds} interleaved rounds; memory read bandwidth {bandwidth / 1e9:.1f} GB/s "
-          f"(probe):\n\n" + text)
+          f"{args.rounds} interleaved rounds, ratios paired per round; {band}:\n\n" + text)
 
 
 if __name__ == "__main__":
