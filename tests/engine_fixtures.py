@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -272,6 +273,30 @@ def engine_daemon_running(workdir: Path, model: Path | None,
         finally:
             served.close()
             _RUNNING.remove(daemon)
+
+
+@pytest.fixture(scope="module")
+def socket_dir() -> Iterator[Path]:
+    """A directory for the API's socket outside pytest's private tmp tree, so that another uid
+    can reach the socket at all."""
+    with tempfile.TemporaryDirectory(prefix="dsr1d-api-") as d:
+        os.chmod(d, 0o755)
+        yield Path(d)
+
+
+@contextmanager
+def api_daemon_running(workdir: Path, model: Path, socket_dir: Path,
+                       engine: tuple[str, ...] = (), api: tuple[str, ...] = ()
+                       ) -> Iterator[EngineDaemon]:
+    """``engine_daemon_running`` with ``engine`` lines in ``[engine]`` and ``api`` lines in
+    ``[api]``, its socket ``socket_dir/api.sock``; entered once the engine is ready and the socket
+    is there."""
+    with engine_daemon_running(workdir, model,
+                               extra_config=[*engine, "[api]", *api,
+                                             f"socket = {socket_dir}/api.sock"]) as daemon:
+        daemon.wait_state("ready")
+        eventually((socket_dir / "api.sock").exists, timeout=10, what="the API socket")
+        yield daemon
 
 
 @pytest.hookimpl(wrapper=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -24,7 +23,7 @@ import pytest
 
 pytest.register_assert_rewrite("daemon_fixtures", "engine_fixtures")
 from daemon_fixtures import AS_NOBODY, eventually  # noqa: E402
-from engine_fixtures import EngineDaemon, engine_daemon_running  # noqa: E402
+from engine_fixtures import EngineDaemon, api_daemon_running, engine_daemon_running  # noqa: E402
 
 pytest_plugins = ["engine_fixtures"]
 
@@ -37,29 +36,17 @@ FRANCE = [{"role": "user", "content": "What is the capital of France? Answer wit
 
 
 @pytest.fixture(scope="module")
-def socket_dir() -> Iterator[Path]:
-    # Outside pytest's private tmp tree, so that another uid can reach the socket at all.
-    with tempfile.TemporaryDirectory(prefix="dsr1d-api-") as d:
-        os.chmod(d, 0o755)
-        yield Path(d)
-
-
-@pytest.fixture(scope="module")
 def served(smollm2: Path, socket_dir: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineDaemon]:
-    with engine_daemon_running(tmp_path_factory.mktemp("api"), smollm2,
-                               extra_config=["engine_context = 2048", "engine_parallel = 2",
-                                             f"aliases = {ALIAS}", "[api]", "queue = 4",
-                                             f"socket = {socket_dir}/api.sock"]) as daemon:
-        daemon.wait_state("ready")
+    with api_daemon_running(tmp_path_factory.mktemp("api"), smollm2, socket_dir,
+                            engine=("engine_context = 2048", "engine_parallel = 2",
+                                    f"aliases = {ALIAS}"), api=("queue = 4",)) as daemon:
         yield daemon
 
 
 @pytest.fixture(scope="module")
 def sock(served: EngineDaemon, socket_dir: Path) -> Path:
-    path = socket_dir / "api.sock"
-    eventually(path.exists, timeout=10, what="the API socket")
-    return path
+    return socket_dir / "api.sock"
 
 
 @pytest.fixture(scope="module")

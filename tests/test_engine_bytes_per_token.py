@@ -9,8 +9,6 @@ with the context, and none once the engine is idle again.
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -20,7 +18,7 @@ import pytest
 
 pytest.register_assert_rewrite("daemon_fixtures", "engine_fixtures")
 from daemon_fixtures import BusClient, eventually  # noqa: E402
-from engine_fixtures import EngineDaemon, engine_daemon_running  # noqa: E402
+from engine_fixtures import EngineDaemon, api_daemon_running  # noqa: E402
 
 from dsr1d.constants import ENGINE_GB_PER_TOKEN  # noqa: E402
 from dsr1d.core.mitigator import to_observation  # noqa: E402
@@ -103,20 +101,10 @@ httpx = pytest.importorskip("httpx")
 
 
 @pytest.fixture(scope="module")
-def socket_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="dsr1d-bpt-") as d:
-        os.chmod(d, 0o755)
-        yield Path(d)
-
-
-@pytest.fixture(scope="module")
 def served(smollm2: Path, socket_dir: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineDaemon]:
-    with engine_daemon_running(tmp_path_factory.mktemp("bpt"), smollm2,
-                               extra_config=["engine_context = 2048", "[api]",
-                                             f"socket = {socket_dir}/api.sock"]) as daemon:
-        daemon.wait_state("ready")
-        eventually((socket_dir / "api.sock").exists, timeout=10, what="the API socket")
+    with api_daemon_running(tmp_path_factory.mktemp("bpt"), smollm2, socket_dir,
+                            engine=("engine_context = 2048",)) as daemon:
         yield daemon
 
 
