@@ -149,7 +149,8 @@ def start(row: str, binary: Path, gguf: Path, threads: int, context: int, tmp: P
     argv, env, client = command(row, binary, gguf, threads, context, tmp)
     log = tmp / "server.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        # in the row's own folder: ik's server writes a llama.log into its working directory
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp)
     server = Server(proc, client, log)
     while True:
         if proc.poll() is not None:
