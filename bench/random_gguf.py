@@ -9,7 +9,8 @@ bf16 weights and running llama-quantize takes minutes; never run it while timing
 
     .venv/bin/python bench/random_gguf.py --preset 1.5b --type Q4_K_M --out FILE [--seed 0]
 
-File types: Q4_K_M, Q4_K_S, Q5_K_M, Q6_K, Q8_0, IQ4_XS, Q4_0, BF16.
+File types: Q4_K_M, Q4_K_S, Q5_K_M, Q6_K, Q8_0, IQ4_XS, Q4_0, BF16, and int4 (dsr1d's own
+conversion: Q4_0 matrices, the output IQ4_NL, the embedding Q8_0).
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ FILE_TYPES = {
     "Q5_K_M": (QT.Q5_K, LlamaFileType.MOSTLY_Q5_K_M), "Q6_K": (QT.Q6_K, LlamaFileType.MOSTLY_Q6_K),
     "Q8_0": (QT.Q8_0, LlamaFileType.MOSTLY_Q8_0), "IQ4_XS": (QT.IQ4_XS, LlamaFileType.MOSTLY_IQ4_XS),
     "Q4_0": (QT.Q4_0, LlamaFileType.MOSTLY_Q4_0), "BF16": (QT.BF16, LlamaFileType.MOSTLY_BF16),
+    "int4": (QT.Q4_0, LlamaFileType.MOSTLY_Q4_0),
 }
 # byte offsets of the fp16 scales inside each block (the rest may be any bytes)
 SCALE_OFFSETS = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,), QT.Q8_0: (0,), QT.Q4_0: (0,),
-                 QT.IQ4_XS: (0,)}
+                 QT.IQ4_XS: (0,), QT.IQ4_NL: (0,)}
 
 
 def _more_bits(i: int, n: int) -> bool:
@@ -53,6 +55,8 @@ def tensor_type(name: str, ftype: str, layers: int, n_gqa: int) -> QT:
     base = FILE_TYPES[ftype][0]
     if base == QT.BF16:
         return base
+    if ftype == "int4" and name in ("output.weight", "token_embd.weight"):
+        return QT.IQ4_NL if name == "output.weight" else QT.Q8_0
     if name == "output.weight":
         return QT.Q8_0 if base == QT.Q8_0 else QT.Q6_K
     if name == "token_embd.weight":

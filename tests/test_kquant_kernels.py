@@ -1,13 +1,15 @@
 """dsr1d's K-quant kernels (tools/llama-patches/kquant-vnni.patch) answer as the release's do.
 
-On a CPU with AVX-512 VNNI, Q4_K, Q5_K, Q6_K and IQ4_XS matrices (and Q8_0 where there is no
-AMX, whose tiles take Q8_0 otherwise) are repacked at load into the ``CPU_DSR1D_KQ`` buffer and
-multiplied by dsr1d's kernels; ``DSR1D_KQUANTS=0`` turns them off, which leaves llama.cpp's own
-kernels (the release's). Both quantize the activations the same way (Q8_K; Q8_0's per 32), so
+On a CPU with AVX-512 VNNI, Q4_K, Q5_K, Q6_K and IQ4_XS matrices (and Q4_0, IQ4_NL and Q8_0 where
+there is no AMX, whose tiles take them otherwise) are repacked at load into the ``CPU_DSR1D_KQ``
+buffer and multiplied by dsr1d's kernels; ``DSR1D_KQUANTS=0`` turns them off, which leaves
+llama.cpp's own kernels (the release's; Q4_0, IQ4_NL and Q8_0 through amx/'s VNNI rows, which sum
+as the release's do). Both quantize the activations the same way (Q8_K; per 32 for the rest), so
 the logits may differ only by the order of float sums. Checked on SmolLM2-135M-Instruct
 requantized from its file to each type (its 576-wide matrices cannot be K-quants: llama-quantize
 keeps them in a fallback type, so its ffn_down are the K-quant products) with the perplexity of a
-shipped text, and on a random model of R1's vocabulary where every matrix is a K-quant, at one,
+shipped text, and on a random model of R1's vocabulary where every matrix is of the type (int4:
+dsr1d's own conversion, Q4_0 with an IQ4_NL output), at one,
 seven and 64 tokens a batch (the one-row, the four-row plus remainder and the prompt paths;
 llama.cpp takes its tiled K-quant path from eight rows, which sums in another order).
 """
@@ -29,7 +31,10 @@ from engine_fixtures import smollm2  # noqa: F401  (fixture)
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "src" / "dsr1d" / "engine" / "corpus.txt"
 HAS_KERNELS = {"avx512_vnni", "avx512bw"} <= cpu_flags()
-TYPES = ["Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "Q8_0"]
+TYPES = ["Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "Q8_0", "Q4_0"]
+RANDOM_TYPES = TYPES + ["int4"]
+# types with a d per 32 columns: on an AMX CPU its tiles keep them
+PER32 = {"Q8_0", "Q4_0", "int4"}
 BUFFER = "CPU_DSR1D_KQ"
 
 # loads the file with llama-cpp-python (dsr1d's build), evaluates the ids n_batch at a time with
@@ -101,7 +106,7 @@ def random_r1(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     out = tmp_path_factory.mktemp("random-kquants")
     files = {}
-    for ftype in TYPES:
+    for ftype in RANDOM_TYPES:
         files[ftype] = out / f"draft-{ftype}.gguf"
         random_gguf.write("draft", ftype, files[ftype])
     return files
@@ -109,7 +114,7 @@ def random_r1(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _check_buffer(log_on: str, log_off: str, ftype: str) -> None:
     # the kernels are in use exactly where the CPU has them, and never with DSR1D_KQUANTS=0
-    expected = HAS_KERNELS and not (ftype == "Q8_0" and "amx_int8" in cpu_flags())
+    expected = HAS_KERNELS and not (ftype in PER32 and "amx_int8" in cpu_flags())
     assert (BUFFER in log_on) == expected, log_on[-2000:]
     assert BUFFER not in log_off
 
@@ -131,7 +136,7 @@ def test_smollm2_perplexity_matches_the_release_kernels(ftype: str, requantized:
 
 
 @pytest.mark.parametrize("n_batch", [1, 7, 64])
-@pytest.mark.parametrize("ftype", TYPES)
+@pytest.mark.parametrize("ftype", RANDOM_TYPES)
 def test_every_matrix_a_k_quant_gives_the_release_logits(ftype: str, n_batch: int,
                                                         random_r1: dict[str, Path],
                                                         tmp_path: Path) -> None:
