@@ -2,18 +2,21 @@
 (``engine_command.arguments``), one stream, greedy, ``--tokens`` tokens a request.
 
 Rows, each in its own server, rounds interleaved, the median round printed:
-- the synthetic R1-Distill-Qwen-1.5B (int4) alone, and with the synthetic ``draft`` shape (same
-  vocabulary) drafting at llama-server's synthetic acceptance lengths (``--spec-synth-len``,
-  benchmarking only: random weights accept nothing on their own) and at the real acceptance of
-  two random networks (what speculation costs when every draft is wrong);
-- SmolLM2-135M-Instruct (a real model) alone and with n-gram drafting (``draft_model = ngram``),
-  on a text that repeats itself and on a chat answer that does not.
+- the target alone, and with its draft (same vocabulary) drafting at llama-server's synthetic
+  acceptance lengths (``--spec-synth-len``, benchmarking only: random weights accept nothing on
+  their own) and at the real acceptance of two random networks (what speculation costs when
+  every draft is wrong). ``--target 1.5b``: the synthetic R1-Distill-Qwen-1.5B (int4) with the
+  synthetic ``draft`` shape; ``--target 7b``: the 7B shape as a published Q4_K_M file with the
+  1.5B shape's Q4_K_M as its draft (the pairing the R1 distills offer), both written by
+  ``random_gguf.py`` before anything is timed;
+- (1.5b only) SmolLM2-135M-Instruct (a real model) alone and with n-gram drafting
+  (``draft_model = ngram``), on a text that repeats itself and on a chat answer that does not.
 
 Speed-up is decode tok/s over the same model's row without speculation in the same run. Prints
 a table and JSON; never passes or fails.
 
-    .venv/bin/python bench/speculative.py [--tokens 128] [--rounds 3] [--lens 2,3,4]
-                                          [--write docs/benchmarks.md]
+    .venv/bin/python bench/speculative.py [--target 1.5b|7b] [--tokens 128] [--rounds 3]
+                                          [--lens 2,3,4] [--write docs/engine.md]
 """
 
 from __future__ import annotations
@@ -47,6 +50,19 @@ def synthetic(preset: str, dtype: str) -> Path:
         subprocess.run([sys.executable, "-m", "dsr1d.edges.admin", "model", "synth", "--preset",
                         preset, "--gguf", dtype, "--force", str(out)], check=True)
     return gguf
+
+
+def published(preset: str, ftype: str) -> Path:
+    """A random file of the preset's shape at llama-quantize's mix for ``ftype``, once."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import random_gguf
+
+    path = BENCH / "inference" / f"r1-{preset}-{ftype}.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        print(f"writing the random {preset} {ftype} file…", file=sys.stderr, flush=True)
+        random_gguf.write(preset, ftype, path)
+    return path
 
 
 def smollm2() -> Path:
@@ -85,30 +101,41 @@ def run_row(model: Path, extra: list[str], request: dict, threads: int) -> dict:
             proc.wait(timeout=30)
 
 
+def small_rows(small: Path, week: dict, chat: dict) -> dict[str, tuple]:
+    """SmolLM2 alone and with n-gram drafting, on a repeating text and on a chat answer."""
+    return {"smollm2, repeating text": (small, [], week, "smollm2, repeating text"),
+            "smollm2 + ngram, repeating text": (small, ["ngram"], week, "smollm2, repeating text"),
+            "smollm2, chat": (small, [], chat, "smollm2, chat"),
+            "smollm2 + ngram, chat": (small, ["ngram"], chat, "smollm2, chat")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--target", choices=("1.5b", "7b"), default="1.5b")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--lens", default="2,3,4", help="synthetic mean acceptance lengths")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     add_write_option(parser)
     args = parser.parse_args()
-    target, draft, small = synthetic("1.5b", "int4"), synthetic("draft", "int8"), smollm2()
+    if args.target == "7b":
+        target, draft = published("7b", "Q4_K_M"), published("1.5b", "Q4_K_M")
+    else:
+        target, draft = synthetic("1.5b", "int4"), synthetic("draft", "int8")
     greedy = {"temperature": 0, "max_tokens": args.tokens}
     synth = {"prompt": "The", **greedy, "ignore_eos": True}
     chat = {"messages": [{"role": "user", "content": CHAT}], **greedy}
     week = {"prompt": WEEK, **greedy}
     # name: (model, speculation, request, the row without speculation it is compared with)
-    rows = {"1.5b": (target, [], synth, "1.5b"),
-            "1.5b + draft, random acceptance": (target, ["draft", str(draft)], synth, "1.5b")}
+    alone = args.target if args.target == "1.5b" else "7b Q4_K_M"
+    with_draft = f"{alone} + {'draft' if args.target == '1.5b' else '1.5b Q4_K_M draft'}"
+    rows = {alone: (target, [], synth, alone),
+            f"{with_draft}, random acceptance": (target, ["draft", str(draft)], synth, alone)}
     for length in args.lens.split(","):
-        rows[f"1.5b + draft, synthetic len {length}"] = (
-            target, ["draft", str(draft), "--spec-synth-len", length], synth, "1.5b")
-    rows |= {"smollm2, repeating text": (small, [], week, "smollm2, repeating text"),
-             "smollm2 + ngram, repeating text": (small, ["ngram"], week,
-                                                 "smollm2, repeating text"),
-             "smollm2, chat": (small, [], chat, "smollm2, chat"),
-             "smollm2 + ngram, chat": (small, ["ngram"], chat, "smollm2, chat")}
+        rows[f"{with_draft}, synthetic len {length}"] = (
+            target, ["draft", str(draft), "--spec-synth-len", length], synth, alone)
+    if args.target == "1.5b":
+        rows |= small_rows(smollm2(), week, chat)
     measured: dict[str, list[dict]] = {name: [] for name in rows}
     for r in range(args.rounds):
         for name, (model, extra, request, _) in rows.items():
@@ -132,12 +159,14 @@ def main() -> None:
         print(f"{name:40} {t['predicted_per_second']:7.1f} {drafted:8d} {accepted:9d} "
               f"{per_step:9.2f} {t['predicted_per_second'] / base:8.2f}×")
     print(json.dumps(figures))
-    write(args.write, "speculative", f"{args.threads} threads, {args.tokens} tokens, median of "
-          f"{args.rounds}:\n\n" + markdown_table(
-              ["row", "tok/s", "drafted", "accepted", "tokens per target step", "speed-up"],
-              [(name, f"{f['tok_s']:.1f}", f["draft_n"], f["draft_n_accepted"],
-                f"{f['tokens_per_target_step']:.2f}", f"{f['speed_up']:.2f}×")
-               for name, f in figures.items()]))
+    body = f"{args.threads} threads, {args.tokens} tokens, median of {args.rounds}:\n\n" + markdown_table(
+        ["row", "tok/s", "drafted", "accepted", "tokens per target step", "speed-up"],
+        [(name, f"{f['tok_s']:.1f}", f["draft_n"], f["draft_n_accepted"],
+          f"{f['tokens_per_target_step']:.2f}", f"{f['speed_up']:.2f}×") for name, f in figures.items()])
+    if args.target == "1.5b":
+        write(args.write, "speculative", body)
+    else:
+        write(args.write, "speculative-7b", body)
 
 
 if __name__ == "__main__":
