@@ -31,14 +31,9 @@ if ! [ -x "$dir/llama-server" ]; then
     for asset in public/index.html.gz public_llamacpp/index_llamacpp.html.gz public_llamacpp/loading.html; do
         [ -e "$tmp/src/examples/server/$asset" ] || { mkdir -p "$(dirname "$tmp/src/examples/server/$asset")"; : >"$tmp/src/examples/server/$asset"; }
     done
-    if ! { cmake -S "$tmp/src" -B "$tmp/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-               -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
-               -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON &&
-           cmake --build "$tmp/build" --target llama-server -j"$(nproc)"; } >"$tmp/build.log" 2>&1; then
-        tail -n 60 "$tmp/build.log" >&2
-        echo "ik-llama-server.sh: the build failed (the end of its log above)" >&2
-        exit 1
-    fi
+    cmake_build ik-llama-server.sh "$tmp/src" "$tmp/build" llama-server -DCMAKE_BUILD_TYPE=Release \
+        -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+        -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON
     cp "$tmp/build/bin/llama-server" "$tmp/llama-server"
     strip "$tmp/llama-server"
     rm -rf "$tmp/src" "$tmp/build" "$tmp/build.log"

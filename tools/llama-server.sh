@@ -40,13 +40,8 @@ if ! [ -x "$dir/llama-server" ]; then
     tmp=$(mktemp -d "$CACHE/.build.XXXXXX")
     trap 'rm -rf "$tmp"' EXIT
     llama_source "$PYTHON" "$tmp/src"
-    # the compiler's output (warnings from the vendored sources) is shown only when the build fails
-    if ! { cmake -S "$tmp/src/llama_cpp_python-$VERSION/vendor/llama.cpp" -B "$tmp/build" "${cmake_args[@]}" &&
-           cmake --build "$tmp/build" --target llama-server -j"$(nproc)"; } >"$tmp/build.log" 2>&1; then
-        tail -n 60 "$tmp/build.log" >&2
-        echo "llama-server.sh: the build failed (the end of its log above)" >&2
-        exit 1
-    fi
+    cmake_build llama-server.sh "$tmp/src/llama_cpp_python-$VERSION/vendor/llama.cpp" "$tmp/build" \
+        llama-server "${cmake_args[@]}"
     cp "$tmp/build/bin/llama-server" "$tmp/llama-server"
     strip "$tmp/llama-server"
     "$tmp/llama-server" --version >"$tmp/version.txt" 2>&1

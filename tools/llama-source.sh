@@ -41,3 +41,17 @@ llama_source() {
     done
     sed -i "s/@DSR1D_PATCHES@/$names/" "$dir/llama_cpp_python-$VERSION/vendor/llama.cpp/src/llama.cpp"
 }
+
+# cmake_build WHO SRC BUILD TARGET CMAKE_ARG...: configures SRC into BUILD and builds TARGET only;
+# the compiler's output (warnings from the vendored sources) goes to BUILD.log and is shown only
+# when the build fails, with WHO's message (then it returns 1: under set -e the caller ends).
+cmake_build() {
+    local who=$1 src=$2 build=$3 target=$4
+    shift 4
+    if ! { cmake -S "$src" -B "$build" "$@" &&
+           cmake --build "$build" --target "$target" -j"$(nproc)"; } >"$build.log" 2>&1; then
+        tail -n 60 "$build.log" >&2
+        echo "$who: the build failed (the end of its log above)" >&2
+        return 1
+    fi
+}

@@ -1,0 +1,152 @@
+"""The engine at server scale: llama-bench of the release and of dsr1d's build on a many-core
+machine that is lent for minutes, with the roofline and the issue's targets.
+
+Such a machine has no time to compile and little to write files. So, here, beforehand:
+
+    tools/server-scale-kit.sh .kit .venv/bin/python      # ~10 min: both llama-bench, gzipped,
+                                                          # built for -march=sapphirerapids
+
+and there, in the checkout's copy, one prepared call (``.kit`` carried; python3 with numpy,
+tokenizers and torch, as the lent machines have):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .kit/gguf-*.whl &&
+    PYTHONPATH=/tmp/site:src python3 bench/server_scale.py --kit .kit --write docs/benchmarks.md
+
+It unpacks the binaries, writes every random file first (``random_gguf.py``, the published
+tensor mix of each type; nothing is timed while a file is written), then per round and per file
+probes the memory bandwidth and runs each row once, the rows' order turning each round:
+``llama-bench -t THREADS -p PROMPT -n TOKENS -r REPS -o json``; dsr1d's build as the daemon
+serves it (weights read into memory, ``-lm none``; glibc's huge-page tunable; threads pinned one
+per physical core of one node, ``-C MASK --cpu-strict 1``), the release with its defaults (the
+file memory-mapped, threads unpinned). Ratios are paired per round, as in
+``bench/inference.py`` (whose summary and table this shares); a binary that cannot run on the
+CPU (an instruction it lacks) is reported and left out. It never fails: it reports.
+
+    python3 bench/server_scale.py [--kit .kit] [--preset 7b] [--types Q4_0,Q8_0,Q4_K_M]
+        [--threads N] [--rounds 2] [--prompt 128] [--tokens 64] [--reps 2] [--write PAGE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import inference  # noqa: E402
+from results import add_write_option, write  # noqa: E402
+
+from dsr1d.edges.engine_command import cpu_mask, environment  # noqa: E402
+
+ROWS = ("release", "dsr1d")
+
+
+def unpack(kit: Path, into: Path) -> dict[str, Path]:
+    """The kit's binaries that run on this CPU, by row."""
+    bins = {}
+    for row in ROWS:
+        packed = kit / f"{row}-llama-bench.gz"
+        if not packed.exists():
+            print(f"{row}: no {packed} (tools/server-scale-kit.sh builds it)", file=sys.stderr)
+            continue
+        binary = into / f"{row}-llama-bench"
+        with gzip.open(packed) as src, open(binary, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        binary.chmod(0o755)
+        probe = subprocess.run([str(binary), "--help"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            print(f"{row}: its llama-bench does not run here (exit {probe.returncode}; built for "
+                  f"{(kit / 'arch.txt').read_text().strip() if (kit / 'arch.txt').exists() else '?'})",
+                  file=sys.stderr)
+            continue
+        bins[row] = binary
+    return bins
+
+
+def bench(row: str, binary: Path, gguf: Path, args: argparse.Namespace) -> dict[str, float]:
+    """One llama-bench run: prompt and decode tok/s (mean of its repetitions)."""
+    command = [str(binary), "-m", str(gguf), "-t", str(args.threads), "-p", str(args.prompt),
+               "-n", str(args.tokens), "-r", str(args.reps), "-o", "json"]
+    env = dict(os.environ)
+    if row == "dsr1d":
+        mask = cpu_mask(inference.placed_cpus(args.threads)[:args.threads])
+        command += ["-lm", "none", "-C", mask, "--cpu-strict", "1"]
+        env = environment(env)
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-500:]}")
+    figures = {}
+    for test in json.loads(proc.stdout):
+        metric = "prompt" if test["n_gen"] == 0 else "decode@0"
+        figures[metric] = float(test["avg_ts"])
+    return figures
+
+
+def run(args: argparse.Namespace, files: dict[str, Path],
+        bins: dict[str, Path]) -> tuple[inference.Samples, dict[str, dict[int, float]]]:
+    """samples[type][row][metric][round] and bandwidth[type][round], as bench/inference.py's."""
+    rows = list(bins)
+    samples: inference.Samples = {}
+    bandwidth: dict[str, dict[int, float]] = {}
+    for n in range(args.rounds):
+        for ftype, gguf in files.items():
+            bandwidth.setdefault(ftype, {})[n] = inference.memory_bandwidth(args.threads)
+            for row in rows[n % len(rows):] + rows[:n % len(rows)]:
+                try:
+                    figures = bench(row, bins[row], gguf, args)
+                except (RuntimeError, subprocess.TimeoutExpired, ValueError, KeyError) as exc:
+                    print(f"round {n + 1} {ftype} {row}: failed: {exc}", file=sys.stderr)
+                    continue
+                for metric, value in figures.items():
+                    samples.setdefault(ftype, {}).setdefault(row, {}).setdefault(metric, {})[n] = value
+                print(f"round {n + 1} {ftype} {row}: " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in figures.items()), file=sys.stderr, flush=True)
+    return samples, bandwidth
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kit", type=Path, default=Path(".kit"))
+    parser.add_argument("--preset", choices=("1.5b", "7b"), default="7b")
+    parser.add_argument("--types", default=",".join(inference.DECODE_TARGET_TYPES))
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=2)
+    add_write_option(parser)
+    args = parser.parse_args()
+    start = time.monotonic()
+    print(inference.cpu_line(), file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        bins = unpack(args.kit, Path(tmp))
+        if not bins:
+            raise SystemExit("server_scale: no binary runs here")
+        files = inference.ensure_files(args.preset, args.types.split(","))
+        print(f"files ready in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+        samples, bandwidth = run(args, files, bins)
+    records = inference.summarize(samples, files, bandwidth)
+    probes = sorted(b / 1e9 for per_file in bandwidth.values() for b in per_file.values())
+    head = (f"{args.threads} threads, {args.preset} shape, llama-bench -p {args.prompt} -n "
+            f"{args.tokens} -r {args.reps}, {args.rounds} interleaved rounds; memory read bandwidth "
+            f"{probes[len(probes) // 2]:.1f} GB/s (median of {len(probes)} probes, "
+            f"{probes[0]:.1f}–{probes[-1]:.1f}); kit built for "
+            f"{(args.kit / 'arch.txt').read_text().strip() if (args.kit / 'arch.txt').exists() else '?'}")
+    text = inference.table(records, list(bins))
+    print(head)
+    print(text)
+    print(json.dumps(records))
+    print(f"{time.monotonic() - start:.0f} s in all", file=sys.stderr)
+    write(args.write, "server-scale", f"{inference.cpu_line()}\n\n{head}:\n\n{text}")
+
+
+if __name__ == "__main__":
+    main()
