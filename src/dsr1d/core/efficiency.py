@@ -507,6 +507,11 @@ class EfficiencyController:
         self._points.append(point)
         if point.sustained:
             if self._sustained and abs(self._sustained[-1].f - point.f) >= cfg.step_mhz / 2:
+                if point.f < self._sustained[-1].f:
+                    # the floor falls with the sustained clock: a ceiling that broke the old
+                    # floor may keep the new one (on AMD parts whose limit shows late, a probe
+                    # judged against the cold die's clock had barred every cut for good)
+                    self._bad_mhz = 0.0
                 self._sustained.clear()       # it moved: PL2 ran out, the die warmed, the guard
             self._sustained.append(point)
         if point.free:
