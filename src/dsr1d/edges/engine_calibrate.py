@@ -1,8 +1,8 @@
 """Flash attention on or off, measured on this machine for this model and build, once.
 
-Which is faster depends on the CPU, the model's shape and the depth of the context: on the
-2-core AMD EPYC VM, the 1.5B int4 decoded 21.9 tok/s at 3,900 tokens of context without flash
-attention and 19.1 with it (llama-server's ``auto`` turns it on). So with
+Which is faster depends on the CPU, the model's shape and the depth of the context (on a
+2-core VM the 1.5B decoded faster without it a few thousand tokens deep, where llama-server's
+``auto`` turns it on; the figures are ``bench/depth.py``'s, in docs/engine.md). So with
 ``engine_flash_attn = auto`` the daemon starts llama-server both ways on the served file,
 ``ROUNDS`` times each, alternating, prefills ``DEPTH`` tokens and times ``TOKENS`` of decode,
 and keeps the faster (on within ``TIE`` of off: on, llama-server's own choice). The result is

@@ -3,10 +3,8 @@
 ``dsr1d model convert SRC_DIR OUT.gguf --dtype bf16|fp32|int8|int4``. Torch-free: safetensors
 shards are read here (8-byte header length, JSON header, raw data) through memory maps, and each
 tensor is converted in row chunks of ~8M values and appended to the output, so the memory used
-is a few chunks plus the page cache of the tensor being read, whatever the model size. On two
-cores, the 7B shape converts to int4 in 75–95 s (its IQ4_NL output matrix included), peak
-RSS 1.26 GB, 1.1 GB of which is the mapped embedding (1.5B: 25 s; bf16 output is
-faster, being a copy).
+is a few chunks plus the page cache of the tensor being read, whatever the model size (the
+mapped embedding is most of the peak RSS).
 
 What is written follows llama.cpp's own ``convert_hf_to_gguf.py`` so that the file loads like
 one made there: its tensor names (``token_embd``, ``blk.N.attn_q``, ...), the Llama q/k row
@@ -31,12 +29,11 @@ size of the one before):
 
 (RMS: of the logits' error, relative to their spread; the synthetic 1.5B amplifies any error
 through its 28 random layers, hence its figures.) The output matrix is read for every token,
-the embedding only indexed: IQ4_NL output is 131 MB against Q8_0's 248 MB on R1-Distill-Qwen-1.5B
-(single-sequence decode 27-33 -> 24-26 ms a token on 2 cores), and llama.cpp repacks IQ4_NL
-for AVX2 / AVX-512 as it does Q4_0, while it runs Q8_0 through llamafile's kernels, which redo
-each block's scale work for every sequence of a batch: 4 sequences a step took 62-78 ms with a
-Q8_0 output and 40-42 ms with IQ4_NL. llama.cpp's own Q4_0 mix uses Q6_K for the output,
-which is not repacked on x86 either. tests/test_gguf.py checks the choice against the
+the embedding only indexed: IQ4_NL output is 131 MB against Q8_0's 248 MB on R1-Distill-Qwen-1.5B,
+fewer bytes for every token, and dsr1d's kernels (and llama.cpp's repack) take IQ4_NL as they
+take Q4_0, while llama.cpp runs a Q8_0 output through llamafile's kernels, which redo each
+block's scale work for every sequence of a batch. llama.cpp's own Q4_0 mix uses Q6_K for the
+output. tests/test_gguf.py checks the choice against the
 Q8_0 output and against everything Q4_0.
 A weight whose rows are not a multiple of the 32-value quantisation block falls back to BF16.
 

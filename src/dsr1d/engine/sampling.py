@@ -2,15 +2,14 @@
 
 The rule: padding tokens barred, then greedy, or temperature → top-p over the tempered
 distribution → a seeded draw (the same seed, the same tokens). llama.cpp's own top-p
-sorts the whole vocabulary by probability whenever the nucleus is wide — 3.5–4.6 ms a token
-for a 152k vocabulary on a 2-core VM, a tenth of a decode step, paid once per sequence in a
-batch. Here only the values are sorted (SIMD) to find the probability the nucleus ends at;
-the tokens at or above it are then drawn from in id order. Running sums are taken a block at
-a time (the block totals, then one block's own sum), not over the whole row: numpy's
-``cumsum`` is sequential and cost half a millisecond per pass over 152k values. Where most of
-the vocabulary is barred (a table padded far beyond its tokenizer, as the synthetic models'
-152k rows over 4k tokens), the allowed ids are gathered first and every pass is over them:
-0.96 → 0.11 ms a row there.
+sorts the whole vocabulary by probability whenever the nucleus is wide — for a 152k
+vocabulary a tenth of a decode step on a small machine, paid once per sequence in a batch.
+Here only the values are sorted (SIMD) to find the probability the nucleus ends at; the
+tokens at or above it are then drawn from in id order. Running sums are taken a block at a
+time (the block totals, then one block's own sum), not over the whole row: numpy's ``cumsum``
+is sequential. Where most of the vocabulary is barred (a table padded far beyond its
+tokenizer, as the synthetic models' 152k rows over 4k tokens), the allowed ids are gathered
+first and every pass is over them. (Its timings: ``bench/sampling.py``.)
 """
 
 from __future__ import annotations
