@@ -1,10 +1,10 @@
-"""The engine at server scale: llama-bench of the release and of dsr1d's build on a many-core
-machine that is lent for minutes, with the roofline and the issue's targets.
+"""The engine at server scale: llama-bench of the release, ik_llama.cpp and dsr1d's build on a
+many-core machine that is lent for minutes, with the roofline and the issue's targets.
 
 Such a machine has no time to compile and little to write files. So, here, beforehand:
 
-    tools/server-scale-kit.sh .kit .venv/bin/python      # ~10 min: both llama-bench, gzipped,
-                                                          # built for -march=sapphirerapids
+    DSR1D_IK_SOURCE=TREE tools/server-scale-kit.sh .kit .venv/bin/python
+        # ~25 min: the three llama-bench, gzipped, built for -march=sapphirerapids
 
 and there, in the checkout's copy, one prepared call (``.kit`` carried; python3 with numpy,
 tokenizers and torch, as the lent machines have):
@@ -18,7 +18,8 @@ probes the memory bandwidth and runs each row once, the rows' order turning each
 ``llama-bench -t THREADS -p PROMPT -n TOKENS -r REPS -o json``; dsr1d's build as the daemon
 serves it (weights read into memory, ``-lm none``; glibc's huge-page tunable; threads pinned one
 per physical core of one node, ``-C MASK --cpu-strict 1``), the release with its defaults (the
-file memory-mapped, threads unpinned). Ratios are paired per round, as in
+file memory-mapped, threads unpinned), ik_llama.cpp with its run-time repack (``-rtr 1``) as its
+users run it on CPU. Ratios are paired per round, as in
 ``bench/inference.py`` (whose summary and table this shares); a binary that cannot run on the
 CPU (an instruction it lacks) is reported and left out. It never fails: it reports.
 
@@ -46,18 +47,19 @@ from results import add_write_option, write  # noqa: E402
 
 from dsr1d.edges.engine_command import cpu_mask, environment  # noqa: E402
 
-ROWS = ("release", "dsr1d")
+ROWS = ("release", "ik -rtr", "dsr1d")
+KIT_NAMES = {"release": "release", "ik -rtr": "ik", "dsr1d": "dsr1d"}
 
 
 def unpack(kit: Path, into: Path) -> dict[str, Path]:
     """The kit's binaries that run on this CPU, by row."""
     bins = {}
     for row in ROWS:
-        packed = kit / f"{row}-llama-bench.gz"
+        packed = kit / f"{KIT_NAMES[row]}-llama-bench.gz"
         if not packed.exists():
             print(f"{row}: no {packed} (tools/server-scale-kit.sh builds it)", file=sys.stderr)
             continue
-        binary = into / f"{row}-llama-bench"
+        binary = into / f"{KIT_NAMES[row]}-llama-bench"
         with gzip.open(packed) as src, open(binary, "wb") as dst:
             shutil.copyfileobj(src, dst)
         binary.chmod(0o755)
@@ -76,6 +78,8 @@ def bench(row: str, binary: Path, gguf: Path, args: argparse.Namespace) -> dict[
     command = [str(binary), "-m", str(gguf), "-t", str(args.threads), "-p", str(args.prompt),
                "-n", str(args.tokens), "-r", str(args.reps), "-o", "json"]
     env = dict(os.environ)
+    if row == "ik -rtr":
+        command += ["-rtr", "1"]      # its run-time repack, as its users run it on CPU
     if row == "dsr1d":
         mask = cpu_mask(inference.placed_cpus(args.threads)[:args.threads])
         command += ["-lm", "none", "-C", mask, "--cpu-strict", "1"]

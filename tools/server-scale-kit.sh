@@ -10,6 +10,9 @@
 # llama (BUILD_SHARED_LIBS=OFF), so each needs only the C/C++ runtime and libgomp. About 4 minutes
 # a binary on 2 cores.
 #
+# With DSR1D_IK_SOURCE=TREE (an ik_llama.cpp checkout, as tools/ik-llama-server.sh takes), the kit
+# holds ik_llama.cpp's llama-bench too (about 15 minutes more).
+#
 # Usage: tools/server-scale-kit.sh DIR [PYTHON]
 #   then, on the lent machine: see bench/server_scale.py
 set -euo pipefail
@@ -45,8 +48,32 @@ build() {
     trap - EXIT
 }
 
+# build_ik: ik_llama.cpp's llama-bench from the tree in DSR1D_IK_SOURCE (as tools/ik-llama-server.sh
+# takes it) into OUT/ik-llama-bench.gz; its run-time repack is a flag of the run (-rtr 1)
+build_ik() {
+    local tmp
+    tmp=$(mktemp -d)
+    trap 'rm -rf "$tmp"' EXIT
+    echo "server-scale kit: ik_llama.cpp's llama-bench for -march=$ARCH from $DSR1D_IK_SOURCE" >&2
+    cp -a "$DSR1D_IK_SOURCE" "$tmp/src"
+    (
+        . "$HERE/llama-source.sh"
+        cmake_build "server-scale-kit.sh (ik)" "$tmp/src" "$tmp/build" llama-bench \
+            -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=OFF \
+            -DCMAKE_C_FLAGS="-march=$ARCH" -DCMAKE_CXX_FLAGS="-march=$ARCH" -DLLAMA_CURL=OFF \
+            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=OFF
+    )
+    strip "$tmp/build/bin/llama-bench"
+    gzip -9c "$tmp/build/bin/llama-bench" >"$OUT/ik-llama-bench.gz"
+    rm -rf "$tmp"
+    trap - EXIT
+}
+
 build release amx-tile-config
 build dsr1d ""
+if [ -n "${DSR1D_IK_SOURCE:-}" ]; then
+    build_ik
+fi
 echo "$ARCH" >"$OUT/arch.txt"
 # the writer's one import the lent machine lacks, at the version this checkout's set-up installs
 version=$("$HERE/../.venv/bin/python" -c 'import importlib.metadata as m; print(m.version("gguf"))' 2>/dev/null || echo 0.19.0)
