@@ -51,6 +51,11 @@ ROWS = ("release", "ik -rtr", "dsr1d")
 KIT_NAMES = {"release": "release", "ik -rtr": "ik", "dsr1d": "dsr1d"}
 
 
+def kit_arch(kit: Path) -> str:
+    """What the kit was built for (tools/server-scale-kit.sh writes it)."""
+    return (kit / "arch.txt").read_text().strip() if (kit / "arch.txt").exists() else "?"
+
+
 def unpack(kit: Path, into: Path) -> dict[str, Path]:
     """The kit's binaries that run on this CPU, by row."""
     bins = {}
@@ -66,8 +71,7 @@ def unpack(kit: Path, into: Path) -> dict[str, Path]:
         probe = subprocess.run([str(binary), "--help"], capture_output=True, text=True)
         if probe.returncode != 0:
             print(f"{row}: its llama-bench does not run here (exit {probe.returncode}; built for "
-                  f"{(kit / 'arch.txt').read_text().strip() if (kit / 'arch.txt').exists() else '?'})",
-                  file=sys.stderr)
+                  f"{kit_arch(kit)})", file=sys.stderr)
             continue
         bins[row] = binary
     return bins
@@ -142,8 +146,7 @@ def main() -> None:
     head = (f"{args.threads} threads, {args.preset} shape, llama-bench -p {args.prompt} -n "
             f"{args.tokens} -r {args.reps}, {args.rounds} interleaved rounds; memory read bandwidth "
             f"{probes[len(probes) // 2]:.1f} GB/s (median of {len(probes)} probes, "
-            f"{probes[0]:.1f}–{probes[-1]:.1f}); kit built for "
-            f"{(args.kit / 'arch.txt').read_text().strip() if (args.kit / 'arch.txt').exists() else '?'}")
+            f"{probes[0]:.1f}–{probes[-1]:.1f}); kit built for {kit_arch(args.kit)}")
     text = inference.table(records, list(bins))
     print(head)
     print(text)

@@ -53,16 +53,11 @@ def synthetic(preset: str, dtype: str) -> Path:
 
 
 def published(preset: str, ftype: str) -> Path:
-    """A random file of the preset's shape at llama-quantize's mix for ``ftype``, once."""
-    sys.path.insert(0, str(REPO / "bench"))
-    import random_gguf
+    """A random file of the preset's shape at llama-quantize's mix for ``ftype``, once (the
+    inference bench's files)."""
+    from inference import ensure_files
 
-    path = BENCH / "inference" / f"r1-{preset}-{ftype}.gguf"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        print(f"writing the random {preset} {ftype} file…", file=sys.stderr, flush=True)
-        random_gguf.write(preset, ftype, path)
-    return path
+    return ensure_files(preset, [ftype])[ftype]
 
 
 def smollm2() -> Path:
