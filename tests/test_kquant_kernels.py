@@ -33,9 +33,13 @@ CORPUS = ROOT / "src" / "dsr1d" / "engine" / "corpus.txt"
 HAS_KERNELS = {"avx512_vnni", "avx512bw"} <= cpu_flags()
 TYPES = ["Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "Q8_0", "Q4_0"]
 RANDOM_TYPES = TYPES + ["int4"]
-# types with a d per 32 columns: on an AMX CPU its tiles keep them
-PER32 = {"Q8_0", "Q4_0", "int4"}
-BUFFER = "CPU_DSR1D_KQ"
+# the matrix types the kernels take: the K-quants everywhere, those with a d per 32 columns only
+# where there is no AMX (its tiles keep them)
+K_TYPES = {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
+PER32 = {"Q4_0", "IQ4_NL", "Q8_0"}
+# the loader's line for the buffer's weights (its name alone is also in a line saying which
+# tensors it could not take)
+BUFFER = "CPU_DSR1D_KQ model buffer size"
 
 # loads the file with llama-cpp-python (dsr1d's build), evaluates the ids n_batch at a time with
 # every position's logits kept, saves them, and prints the log (where the buffers are named)
@@ -112,9 +116,19 @@ def random_r1(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return files
 
 
-def _check_buffer(log_on: str, log_off: str, ftype: str) -> None:
-    # the kernels are in use exactly where the CPU has them, and never with DSR1D_KQUANTS=0
-    expected = HAS_KERNELS and not (ftype in PER32 and "amx_int8" in cpu_flags())
+def _matrix_types(path: Path) -> set[str]:
+    from gguf import GGUFReader
+
+    # the embedding is read by rows, never multiplied in a kernel's buffer
+    return {t.tensor_type.name for t in GGUFReader(path).tensors
+            if len(t.shape) == 2 and t.name != "token_embd.weight"}
+
+
+def _check_buffer(log_on: str, log_off: str, path: Path) -> None:
+    # the kernels are in use exactly where the CPU has them and the file has a type they take
+    # (a Q4_0 file's Q6_K output on AMX), and never with DSR1D_KQUANTS=0
+    taken = K_TYPES | (set() if "amx_int8" in cpu_flags() else PER32)
+    expected = HAS_KERNELS and bool(_matrix_types(path) & taken)
     assert (BUFFER in log_on) == expected, log_on[-2000:]
     assert BUFFER not in log_off
 
@@ -126,7 +140,7 @@ def test_smollm2_perplexity_matches_the_release_kernels(ftype: str, requantized:
     ids = _tokens(path, 256)
     on, log_on = _logits(path, ids, 64, True, tmp_path)
     off, log_off = _logits(path, ids, 64, False, tmp_path)
-    _check_buffer(log_on, log_off, ftype)
+    _check_buffer(log_on, log_off, path)
     ppl_on, ppl_off = _perplexity(on, ids), _perplexity(off, ids)
     assert abs(ppl_on / ppl_off - 1) < 0.005, (ppl_on, ppl_off)
     # The activations are requantized at every layer, so float order alone moves a rounding here
@@ -144,7 +158,7 @@ def test_every_matrix_a_k_quant_gives_the_release_logits(ftype: str, n_batch: in
     ids = list(range(10, 10 + (12 if n_batch == 1 else 64)))
     on, log_on = _logits(path, ids, n_batch, True, tmp_path)
     off, log_off = _logits(path, ids, n_batch, False, tmp_path)
-    _check_buffer(log_on, log_off, ftype)
+    _check_buffer(log_on, log_off, path)
     assert np.isfinite(off).all()
     # one row at a time both sides sum the K-quants alike (equal to 1 % of the spread); in
     # batches of 8+ the release takes its tiled path, and its Q8_0 kernel turns 8 partial sums of
