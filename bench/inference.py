@@ -29,7 +29,9 @@ It never fails: it reports. A peer that cannot be built or started is reported a
 
     .venv/bin/python bench/inference.py [--preset 1.5b|7b] [--types Q4_K_M,Q8_0,...]
         [--depths 0,4096] [--prompt 128] [--tokens 64] [--rounds 2] [--threads N]
-        [--rows release,ik -rtr,dsr1d] [--write docs/benchmarks.md]
+        [--rows release,ik -rtr,dsr1d] [--write docs/benchmarks.md [--block inference-amx]]
+
+``--write`` fills the ``inference`` block, or ``inference-amx`` on a CPU with AMX.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ FILES = Path("/var/tmp/dsr1d-bench/inference")
 ROWS = ("release", "ik -rtr", "dsr1d")
 TYPES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS", "Q4_0", "BF16")
 DECODE_TARGET_TYPES = ("Q4_K_M", "Q8_0", "Q4_0")
+BLOCKS = ("inference", "inference-amx")   # docs/benchmarks.md's tables: without AMX, with it
 
 
 @dataclass
@@ -333,6 +336,12 @@ def table(records: list[dict[str, object]], rows: list[str]) -> str:
                                                       "dsr1d ÷ roofline", "targets"], lines)
 
 
+def default_block() -> str:
+    """The docs block for this CPU: amx/'s tiles keep Q4_0 and Q8_0 on an AMX CPU, so its figures
+    get a table of their own."""
+    return BLOCKS[1] if "amx_int8" in cpu_line() else BLOCKS[0]
+
+
 def cpu_line() -> str:
     flags = ""
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -354,6 +363,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--rows", default=",".join(ROWS))
     add_write_option(parser)
+    parser.add_argument("--block", choices=BLOCKS, default=None,
+                        help="the block --write replaces (default: inference-amx on a CPU with "
+                             "AMX, whose tiles keep some types, else inference)")
     args = parser.parse_args()
     types = [t for t in args.types.split(",") if t]
     unknown = [t for t in types if t not in random_gguf.FILE_TYPES]
@@ -377,7 +389,7 @@ def main() -> None:
     text = table(records, present)
     print(text)
     print(json.dumps(records))
-    write(args.write, "inference",
+    write(args.write, args.block or default_block(),
           f"{args.preset} R1 shape, random weights, {args.threads} threads, prefill of "
           f"{args.prompt} tokens, decode of {args.tokens} after each depth, median of "
           f"{args.rounds} interleaved rounds, ratios paired per round; {band}:\n\n" + text)

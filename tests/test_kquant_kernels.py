@@ -12,6 +12,8 @@ shipped text, and on a random model of R1's vocabulary where every matrix is of 
 dsr1d's own conversion, Q4_0 with an IQ4_NL output), at one,
 seven and 64 tokens a batch (the one-row, the four-row plus remainder and the prompt paths;
 llama.cpp takes its tiled K-quant path from eight rows, which sums in another order).
+``DSR1D_KQUANTS=all`` puts Q4_0, IQ4_NL and Q8_0 in the kernels' buffer on an AMX CPU too (for
+measuring them against amx/'s tiles), where the same logits are checked.
 """
 
 from __future__ import annotations
@@ -66,15 +68,15 @@ sys.exit(rc)
 """
 
 
-def _run(code: str, *args: str, kernels: bool = True) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, DSR1D_KQUANTS="1" if kernels else "0")
+def _run(code: str, *args: str, kernels: str = "1") -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, DSR1D_KQUANTS=kernels)
     proc = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
 
-def _logits(path: Path, ids: list[int], n_batch: int, kernels: bool, tmp: Path) -> tuple[np.ndarray, str]:
+def _logits(path: Path, ids: list[int], n_batch: int, kernels: str, tmp: Path) -> tuple[np.ndarray, str]:
     out = tmp / f"logits-{kernels}-{n_batch}.npy"
     proc = _run(EVAL, str(path), json.dumps(ids), str(n_batch), str(out), kernels=kernels)
     return np.load(out), proc.stderr
@@ -124,10 +126,11 @@ def _matrix_types(path: Path) -> set[str]:
             if len(t.shape) == 2 and t.name != "token_embd.weight"}
 
 
-def _check_buffer(log_on: str, log_off: str, path: Path) -> None:
+def _check_buffer(log_on: str, log_off: str, path: Path, setting: str = "1") -> None:
     # the kernels are in use exactly where the CPU has them and the file has a type they take
     # (a Q4_0 file's Q6_K output on AMX), and never with DSR1D_KQUANTS=0
-    taken = K_TYPES | (set() if "amx_int8" in cpu_flags() else PER32)
+    amx_keeps_per32 = "amx_int8" in cpu_flags() and setting != "all"
+    taken = K_TYPES | (set() if amx_keeps_per32 else PER32)
     expected = HAS_KERNELS and bool(_matrix_types(path) & taken)
     assert (BUFFER in log_on) == expected, log_on[-2000:]
     assert BUFFER not in log_off
@@ -138,8 +141,8 @@ def test_smollm2_perplexity_matches_the_release_kernels(ftype: str, requantized:
                                                         tmp_path: Path) -> None:
     path = requantized[ftype]
     ids = _tokens(path, 256)
-    on, log_on = _logits(path, ids, 64, True, tmp_path)
-    off, log_off = _logits(path, ids, 64, False, tmp_path)
+    on, log_on = _logits(path, ids, 64, "1", tmp_path)
+    off, log_off = _logits(path, ids, 64, "0", tmp_path)
     _check_buffer(log_on, log_off, path)
     ppl_on, ppl_off = _perplexity(on, ids), _perplexity(off, ids)
     assert abs(ppl_on / ppl_off - 1) < 0.005, (ppl_on, ppl_off)
@@ -149,16 +152,25 @@ def test_smollm2_perplexity_matches_the_release_kernels(ftype: str, requantized:
     assert (on.argmax(axis=1) == off.argmax(axis=1)).mean() >= 0.9
 
 
+# DSR1D_KQUANTS=all: the kernels take Q4_0, IQ4_NL and Q8_0 even where amx/ would (to measure one
+# against the other on an AMX CPU); elsewhere it is the default
+CASES = [(t, "1") for t in RANDOM_TYPES] + [(t, "all") for t in ("Q4_0", "Q8_0", "int4")]
+
+
 @pytest.mark.parametrize("n_batch", [1, 7, 64])
-@pytest.mark.parametrize("ftype", RANDOM_TYPES)
-def test_every_matrix_a_k_quant_gives_the_release_logits(ftype: str, n_batch: int,
+@pytest.mark.parametrize("ftype,setting", CASES)
+def test_every_matrix_a_k_quant_gives_the_release_logits(ftype: str, setting: str, n_batch: int,
                                                         random_r1: dict[str, Path],
                                                         tmp_path: Path) -> None:
     path = random_r1[ftype]
     ids = list(range(10, 10 + (12 if n_batch == 1 else 64)))
-    on, log_on = _logits(path, ids, n_batch, True, tmp_path)
-    off, log_off = _logits(path, ids, n_batch, False, tmp_path)
-    _check_buffer(log_on, log_off, path)
+    on, log_on = _logits(path, ids, n_batch, setting, tmp_path)
+    off, log_off = _logits(path, ids, n_batch, "0", tmp_path)
+    _check_buffer(log_on, log_off, path, setting)
+    _assert_release_logits(on, off, ftype, n_batch)
+
+
+def _assert_release_logits(on: np.ndarray, off: np.ndarray, ftype: str, n_batch: int) -> None:
     assert np.isfinite(off).all()
     # one row at a time both sides sum the K-quants alike (equal to 1 % of the spread); in
     # batches of 8+ the release takes its tiled path, and its Q8_0 kernel turns 8 partial sums of
