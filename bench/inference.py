@@ -284,7 +284,8 @@ def summarize(samples: Samples, files: dict[str, Path],
         for metric in metrics:
             med = {row: statistics.median(v[metric].values())
                    for row, v in rows.items() if metric in v}
-            peers = {row: v for row, v in med.items() if row != "dsr1d"}
+            # "dsr1d all" (bench/server_scale.py) is dsr1d's other setting, not a peer
+            peers = {row: v for row, v in med.items() if not row.startswith("dsr1d")}
             best = max(peers, key=peers.__getitem__) if peers else None
             ours = rows.get("dsr1d", {}).get(metric, {})
             ratio = paired(ours, rows[best][metric]) if best else None

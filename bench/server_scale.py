@@ -19,9 +19,11 @@ probes the memory bandwidth and runs each row once, the rows' order turning each
 serves it (weights read into memory, ``-lm none``; glibc's huge-page tunable; threads pinned one
 per physical core of one node, ``-C MASK --cpu-strict 1``), the release with its defaults (the
 file memory-mapped, threads unpinned), ik_llama.cpp with its run-time repack (``-rtr 1``) as its
-users run it on CPU. Ratios are paired per round, as in
-``bench/inference.py`` (whose summary and table this shares); a binary that cannot run on the
-CPU (an instruction it lacks) is reported and left out. It never fails: it reports.
+users run it on CPU. On an AMX CPU a fourth column, ``dsr1d all``, runs dsr1d's build again with
+``DSR1D_KQUANTS=all`` on the Q4_0 and Q8_0 files: its panels instead of amx/'s tiles, which the
+2-core AMX VM measured faster; whether that holds at this many cores. Ratios are paired per
+round, as in ``bench/inference.py`` (whose summary and table this shares); a binary that cannot
+run on the CPU (an instruction it lacks) is reported and left out. It never fails: it reports.
 
     python3 bench/server_scale.py [--kit .kit] [--preset 7b] [--types Q4_0,Q8_0,Q4_K_M]
         [--threads N] [--rounds 2] [--prompt 128] [--tokens 64] [--reps 2] [--write PAGE]
@@ -47,8 +49,12 @@ from results import add_write_option, write  # noqa: E402
 
 from dsr1d.edges.engine_command import cpu_mask, environment  # noqa: E402
 
-ROWS = ("release", "ik -rtr", "dsr1d")
-KIT_NAMES = {"release": "release", "ik -rtr": "ik", "dsr1d": "dsr1d"}
+ROWS = ("release", "ik -rtr", "dsr1d", "dsr1d all")
+KIT_NAMES = {"release": "release", "ik -rtr": "ik", "dsr1d": "dsr1d", "dsr1d all": "dsr1d"}
+# "dsr1d all": dsr1d's build with DSR1D_KQUANTS=all, on an AMX CPU only (elsewhere it is dsr1d) and
+# on the files it changes: its panels instead of amx/'s tiles for Q4_0 and Q8_0, as a second
+# dsr1d column (not a peer), to learn which is faster at this many cores
+ALL_TYPES = ("Q4_0", "Q8_0")
 
 
 def kit_arch(kit: Path) -> str:
@@ -60,11 +66,16 @@ def unpack(kit: Path, into: Path) -> dict[str, Path]:
     """The kit's binaries that run on this CPU, by row."""
     bins = {}
     for row in ROWS:
+        if row == "dsr1d all" and "amx_int8" not in inference.cpu_line():
+            continue
         packed = kit / f"{KIT_NAMES[row]}-llama-bench.gz"
         if not packed.exists():
             print(f"{row}: no {packed} (tools/server-scale-kit.sh builds it)", file=sys.stderr)
             continue
         binary = into / f"{KIT_NAMES[row]}-llama-bench"
+        if binary.exists():
+            bins[row] = binary
+            continue
         with gzip.open(packed) as src, open(binary, "wb") as dst:
             shutil.copyfileobj(src, dst)
         binary.chmod(0o755)
@@ -84,10 +95,12 @@ def bench(row: str, binary: Path, gguf: Path, args: argparse.Namespace) -> dict[
     env = dict(os.environ)
     if row == "ik -rtr":
         command += ["-rtr", "1"]      # its run-time repack, as its users run it on CPU
-    if row == "dsr1d":
+    if row.startswith("dsr1d"):
         mask = cpu_mask(inference.placed_cpus(args.threads)[:args.threads])
         command += ["-lm", "none", "-C", mask, "--cpu-strict", "1"]
         env = environment(env)
+    if row == "dsr1d all":
+        env["DSR1D_KQUANTS"] = "all"
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-500:]}")
@@ -108,6 +121,8 @@ def run(args: argparse.Namespace, files: dict[str, Path],
         for ftype, gguf in files.items():
             bandwidth.setdefault(ftype, {})[n] = inference.memory_bandwidth(args.threads)
             for row in rows[n % len(rows):] + rows[:n % len(rows)]:
+                if row == "dsr1d all" and ftype not in ALL_TYPES:
+                    continue
                 try:
                     figures = bench(row, bins[row], gguf, args)
                 except (RuntimeError, subprocess.TimeoutExpired, ValueError, KeyError) as exc:
