@@ -9,7 +9,10 @@ Rows, each a llama-server as its users run it, on the same threads:
 - ``ik -rtr``: ik_llama.cpp's llama-server (``tools/ik-llama-server.sh``, built the same way) with
   its run-time repack ``-rtr``, as its users run it on CPU.
 - ``dsr1d``: dsr1d's llama-server with the arguments and environment the daemon gives it
-  (``engine_command``: weights read into memory with huge pages, threads pinned one per core).
+  (``engine_command``: weights read into memory with huge pages, threads pinned one per core;
+  flash attention on or off as the daemon's calibration measures it per file, before anything
+  is timed: about two minutes a file the first time, cached in
+  ``/var/tmp/dsr1d-bench/calibration``).
 
 Files: random weights in the R1-Distill-Qwen shape (``--preset``) with the real R1 tokenizer, one
 per file type (``--types``), in the tensor mix llama-quantize gives that type, written by
@@ -37,6 +40,7 @@ It never fails: it reports. A peer that cannot be built or started is reported a
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import socket
@@ -54,6 +58,7 @@ from results import add_write_option, machine, markdown_table, write
 
 REPO = Path(__file__).resolve().parent.parent
 FILES = Path("/var/tmp/dsr1d-bench/inference")
+CALIBRATION = FILES.parent / "calibration"   # the daemon's flash-attention choices, per file
 ROWS = ("release", "ik -rtr", "dsr1d")
 TYPES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS", "Q4_0", "BF16")
 DECODE_TARGET_TYPES = ("Q4_K_M", "Q8_0", "Q4_0")
@@ -113,14 +118,35 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def daemon_flash_attn(binary: Path, files: dict[str, Path], threads: int) -> dict[str, str]:
+    """Per file, flash attention on or off as the daemon chooses it with its default
+    ``engine_flash_attn = auto``: measured once per file, build, threads and CPU by the daemon's
+    own calibration, and kept in ``CALIBRATION`` as the daemon keeps it in its cache."""
+    from dsr1d.edges import engine_calibrate, engine_command
+
+    CALIBRATION.mkdir(parents=True, exist_ok=True)
+    choice = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for ftype, gguf in files.items():
+            spec = engine_command.ServerSpec(gguf, Path(tmp) / "llama.sock", threads,
+                                             engine_calibrate.DEPTH + 64,
+                                             cpus=placed_cpus(threads))
+            mode, why = asyncio.run(engine_calibrate.flash_attention(spec, binary, CALIBRATION))
+            print(f"dsr1d {ftype}: flash attention {mode or 'auto'}: {why}", file=sys.stderr,
+                  flush=True)
+            choice[ftype] = mode
+    return choice
+
+
 def command(row: str, binary: Path, gguf: Path, threads: int, context: int,
-            tmp: Path) -> tuple[list[str], dict[str, str], httpx.Client]:
+            tmp: Path, flash_attn: str = "") -> tuple[list[str], dict[str, str], httpx.Client]:
     """The row's command line, environment and a client for it."""
     from dsr1d.edges import engine_command
 
     if row == "dsr1d":
         sock = tmp / "llama.sock"
-        spec = engine_command.ServerSpec(gguf, sock, threads, context, cpus=placed_cpus(threads))
+        spec = engine_command.ServerSpec(gguf, sock, threads, context, cpus=placed_cpus(threads),
+                                         flash_attn=flash_attn)
         return ([str(binary), *engine_command.arguments(spec)], engine_command.environment(),
                 unix_client(sock))
     if row == "release":
@@ -147,9 +173,10 @@ def placed_cpus(threads: int) -> list[int]:
     return plan(read_topology(SysRoot("/")), None, threads, sorted(os.sched_getaffinity(0))).cpus
 
 
-def start(row: str, binary: Path, gguf: Path, threads: int, context: int, tmp: Path) -> Server:
+def start(row: str, binary: Path, gguf: Path, threads: int, context: int, tmp: Path,
+          flash_attn: str = "") -> Server:
     """Start the row's server and wait until it answers; raises with its log's end if it dies."""
-    argv, env, client = command(row, binary, gguf, threads, context, tmp)
+    argv, env, client = command(row, binary, gguf, threads, context, tmp, flash_attn)
     log = tmp / "server.log"
     with log.open("wb") as out:
         # in the row's own folder: ik's server writes a llama.log into its working directory
@@ -233,7 +260,8 @@ Samples = dict[str, dict[str, dict[str, dict[int, float]]]]
 
 
 def run(args: argparse.Namespace, files: dict[str, Path], bins: dict[str, Path],
-        depths: list[int]) -> tuple[Samples, dict[str, dict[int, float]]]:
+        depths: list[int], flash_attn: dict[str, str]
+        ) -> tuple[Samples, dict[str, dict[int, float]]]:
     """samples[type][row][metric][round], and bandwidth[type][round] probed just before that
     file's round; a row that fails on a file is reported and has no sample for that round."""
     context = max(depths) + args.tokens + args.prompt + 64
@@ -247,7 +275,8 @@ def run(args: argparse.Namespace, files: dict[str, Path], bins: dict[str, Path],
             for row in order:
                 with tempfile.TemporaryDirectory() as tmp:
                     try:
-                        server = start(row, bins[row], gguf, args.threads, context, Path(tmp))
+                        server = start(row, bins[row], gguf, args.threads, context, Path(tmp),
+                                       flash_attn.get(ftype, ""))
                     except RuntimeError as exc:
                         print(f"{ftype} {row}: did not start: {exc}", file=sys.stderr)
                         continue
@@ -380,7 +409,8 @@ def main() -> None:
     bins = binaries(rows)
     files = ensure_files(args.preset, types)
     print(cpu_line())
-    samples, bandwidth = run(args, files, bins, depths)
+    flash_attn = daemon_flash_attn(bins["dsr1d"], files, args.threads) if "dsr1d" in bins else {}
+    samples, bandwidth = run(args, files, bins, depths, flash_attn)
     probes = sorted(b / 1e9 for per_file in bandwidth.values() for b in per_file.values())
     band = (f"memory read bandwidth {statistics.median(probes):.1f} GB/s (median of "
             f"{len(probes)} probes, {probes[0]:.1f}–{probes[-1]:.1f})")
