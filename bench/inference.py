@@ -369,7 +369,13 @@ def table(records: list[dict[str, object]], rows: list[str]) -> str:
 def default_block() -> str:
     """The docs block for this CPU: amx/'s tiles keep Q4_0 and Q8_0 on an AMX CPU, so its figures
     get a table of their own."""
-    return BLOCKS[1] if "amx_int8" in cpu_line() else BLOCKS[0]
+    return BLOCKS[1] if has_amx() else BLOCKS[0]
+
+
+def has_amx() -> bool:
+    from dsr1d.cpu import cpu_flags
+
+    return "amx_int8" in cpu_flags()
 
 
 def cpu_line() -> str:

@@ -50,7 +50,7 @@ from results import add_write_option, write  # noqa: E402
 from dsr1d.edges.engine_command import cpu_mask, environment  # noqa: E402
 
 ROWS = ("release", "ik -rtr", "dsr1d", "dsr1d all")
-KIT_NAMES = {"release": "release", "ik -rtr": "ik", "dsr1d": "dsr1d", "dsr1d all": "dsr1d"}
+KIT_NAMES = {"release": "release", "ik -rtr": "ik", "dsr1d": "dsr1d"}
 # "dsr1d all": dsr1d's build with DSR1D_KQUANTS=all, on an AMX CPU only (elsewhere it is dsr1d) and
 # on the files it changes: its panels instead of amx/'s tiles for Q4_0 and Q8_0, as a second
 # dsr1d column (not a peer), to learn which is faster at this many cores
@@ -66,16 +66,15 @@ def unpack(kit: Path, into: Path) -> dict[str, Path]:
     """The kit's binaries that run on this CPU, by row."""
     bins = {}
     for row in ROWS:
-        if row == "dsr1d all" and "amx_int8" not in inference.cpu_line():
+        if row == "dsr1d all":   # dsr1d's binary, unpacked and probed already
+            if "dsr1d" in bins and inference.has_amx():
+                bins[row] = bins["dsr1d"]
             continue
         packed = kit / f"{KIT_NAMES[row]}-llama-bench.gz"
         if not packed.exists():
             print(f"{row}: no {packed} (tools/server-scale-kit.sh builds it)", file=sys.stderr)
             continue
         binary = into / f"{KIT_NAMES[row]}-llama-bench"
-        if binary.exists():
-            bins[row] = binary
-            continue
         with gzip.open(packed) as src, open(binary, "wb") as dst:
             shutil.copyfileobj(src, dst)
         binary.chmod(0o755)
