@@ -68,8 +68,9 @@ from typing import Any
 from results import add_write_option, markdown_table, write
 
 from dsr1d.core.efficiency import EfficiencyConfig
-from dsr1d.sim.run import (Dsr1d, Ladder, best_fixed, ceiling_runs, compare, figures, percentile,
-                           run, summary)
+from dsr1d.sim.plant import Plant
+from dsr1d.sim.run import (Dsr1d, Ladder, Policy, best_fixed, ceiling_runs, compare, figures,
+                           percentile, run, summary)
 from dsr1d.sim.scenarios import (FAMILIES, FAMILY_SECONDS, Scenario, ensemble, families, plants,
                                  with_real_sensors)
 
@@ -409,6 +410,45 @@ def oracle_frontier(all_runs: list[dict]) -> list[dict]:
             for d, (tok, en) in per.items()]
 
 
+ARRIVALS_S = (40.0, 120.0, 240.0)       # when a late controller would set the oracle's ceiling
+LONG_SECONDS = 1800.0                   # a decode as long as R1's reasoning runs
+
+
+class LateCeiling(Policy):
+    """A fixed ceiling set only at ``at`` seconds: the oracle's answer, arriving late."""
+
+    def __init__(self, mhz: float, at: float) -> None:
+        self.mhz, self.at, self.name = mhz, at, f"ceiling:{mhz:.0f}@{at:.0f}s"
+
+    def step(self, plant: Plant) -> list:
+        if plant.time_s >= self.at:
+            plant.controls.ceiling_ghz = self.mhz / 1000.0
+        return []
+
+
+def arrival_cost(n: int, seed: int, elasticity: tuple[float, float], seconds: float,
+                 pool: ProcessPoolExecutor) -> dict[float, tuple[float, float, int]]:
+    """Over the first ``n`` ensemble plants whose stock throttles: (median, worst, plants) of the
+    oracle's own J/token regret when its ceiling arrives at each of `ARRIVALS_S`: what any
+    controller pays that must first see the heat before it knows the answer."""
+    got = [r for r in pool.map(_late_one, [(i, n, seed, elasticity, seconds) for i in range(n)])
+           if r is not None]
+    return {at: (statistics.median(col), max(col), len(col))
+            for at, col in zip(ARRIVALS_S, zip(*got))} if got else {}
+
+
+def _late_one(job: tuple[int, int, int, tuple[float, float], float]) -> list[float] | None:
+    index, n, seed, elasticity, seconds = job
+    sc = ensemble(n, seed, elasticity)[index]
+    runs = oracle_runs(sc, seconds)
+    name, best = best_fixed(runs, 2.0)
+    if runs["stock"]["first_thermal_event_s"] is None or not name.startswith("ceiling:"):
+        return None
+    mhz = float(name.split(":")[1])
+    return [figures(run(sc, LateCeiling(mhz, at), seconds))["joules_per_token"] /
+            best["joules_per_token"] - 1 for at in ARRIVALS_S]
+
+
 def measure_groups(args: argparse.Namespace, elasticity: tuple[float, float],
                    sensors: tuple[str, ...], pool: ProcessPoolExecutor) -> dict[str, list[dict]]:
     """Every plant of every family and of the ensemble, the longest runs first."""
@@ -422,6 +462,35 @@ def measure_groups(args: argparse.Namespace, elasticity: tuple[float, float],
     for m in pool.map(measure, jobs):
         out[m["group"]].append(m)
     return {g: ms for g, ms in out.items() if ms}
+
+
+def heat_up_text(long_runs: list[dict], late: dict[float, tuple[float, float, int]],
+                 primary: str, args: argparse.Namespace) -> str:
+    """The share of the regret that is the heat-up: the same ensemble plants over a longer
+    decode, and what the oracle itself pays when its ceiling arrives late."""
+    if not long_runs:
+        return ""
+    rows = []
+    for d in DELTAS:
+        s = group_figures(long_runs, primary, d)
+        rows.append([f"{d:g} % ({PROFILE[d]})", str(s["plants"]),
+                     f"{s['median_tokens_ratio']:.3f} / {s['worst_tokens_ratio']:.3f}",
+                     f"{s['median_energy_ratio']:.3f} / {s['oracle_median_energy_ratio']:.3f}",
+                     f"{_pct(s['median_energy_regret'])} / {_pct(s['worst_energy_regret'])}",
+                     f"{s['actions_per_h']:.1f}"])
+    table = markdown_table(("δ", "n", "tok/s ÷ stock: median / worst",
+                            "J/token ÷ stock, median: dsr1d / oracle",
+                            "J/token regret: median / worst", "actions/h"), rows)
+    arrivals = "; ".join(f"at {at:g} s {_pct(med)} median, {_pct(worst)} worst"
+                         for at, (med, worst, _) in late.items())
+    hot = next(iter(late.values()))[2] if late else 0
+    return (f"The heat-up's share. The first {len(long_runs)} plants of the ensemble over "
+            f"{LONG_SECONDS / 60:g} minutes instead of {args.seconds / 60:g} ({primary} "
+            f"sensors), against the oracle over the same {LONG_SECONDS / 60:g} minutes:\n\n"
+            f"{table}\n\nThe oracle's own ceiling (δ = 2 %) set late instead of from the start, "
+            f"its J/token regret over {args.seconds / 60:g} minutes on the {hot} of those plants "
+            f"whose stock throttles: {arrivals or 'none'}. A controller has to see the heat "
+            "before it knows that stock would throttle; these plants show it only after minutes.")
 
 
 def main() -> None:
@@ -440,6 +509,9 @@ def main() -> None:
     ap.add_argument("--daemon-seconds", type=float, default=60.0)
     ap.add_argument("--exact-only", action="store_true",
                     help="skip the plants seen through real sensors' noise and resolution")
+    ap.add_argument("--long", type=int, default=40, metavar="N",
+                    help=f"the first N ensemble plants again over {LONG_SECONDS / 60:g} minutes, "
+                         "and the cost of arriving late at the oracle's ceiling (0 skips both)")
     ap.add_argument("--reaction-samples", type=int, default=20)
     ap.add_argument("--reaction-interval", type=float, default=1.0)
     add_write_option(ap)
@@ -461,6 +533,11 @@ def main() -> None:
         lo, hi = (float(x) for x in args.elasticity.split(","))
         quiet = quiet_actions(args.seconds, args.seed, sensors, pool)
         groups = measure_groups(args, (lo, hi), sensors, pool)
+        long_runs = list(pool.map(measure, [
+            ("ensemble", args.ensemble, args.seed, i, LONG_SECONDS, (lo, hi), sensors)
+            for i in range(min(args.long, args.ensemble))]))
+        late = arrival_cost(min(args.long, args.ensemble), args.seed, (lo, hi), args.seconds,
+                            pool) if args.long else {}
     simulated = time.monotonic() - t0
 
     drawn = groups["ensemble"]
@@ -525,9 +602,15 @@ def main() -> None:
     for line in lines:
         print(f"target {line}")
     print()
+    heat = heat_up_text(long_runs, late, primary, args)
+    print(heat)
+    result["long"] = {f"{k} delta {d:g}": group_figures(long_runs, k, d)
+                      for k in sensors for d in DELTAS} if long_runs else {}
+    result["arrival_cost"] = {f"{at:g} s": v for at, v in late.items()}
     write(args.write, "mitigation", f"{intro}\n\n" + "\n\n".join(
         f"δ = {d:g} % (`{PROFILE[d]}`):\n\n{tables[d]}" for d in DELTAS) +
-        f"\n\nTargets ({primary} sensors, overall):\n\n" + "\n".join(f"- {line}" for line in lines))
+        f"\n\nTargets ({primary} sensors, overall):\n\n" + "\n".join(f"- {line}" for line in lines)
+        + (f"\n\n{heat}" if heat else ""))
 
     if args.daemon_seconds > 0:
         sampling = daemon_cpu_share(args.daemon_seconds, 1.0)

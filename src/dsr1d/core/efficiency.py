@@ -61,7 +61,17 @@ throttle evidence (throttle time rising, thermal limit-reason bits) lowers the t
 the busy frequency at once, never more than ``max_move_bins`` under the cap in force. Cuts start
 from the clock the package really runs (the busy frequency), not from the one-core maximum turbo
 above it. The guard is relaxed a bin at a time while the temperature predicted one bin up stays a
-sensor step (1 °C) under the set point, at most one bin per ``horizon_s / 2``.
+sensor step (1 °C) under the set point, at most one bin per ``horizon_s / 2`` since its last move.
+Under an energy cut the prediction extrapolates from a cooler package (less leakage, a sink
+cooling), so there it relaxes one bin per ``reprobe_s`` and is not let go: it is the floor's
+reference, and releasing it sent the floor back to the cold die's clock (on ``step-tcc`` a cycle
+of cuts and hardware throttling, 57 actions in 30 minutes).
+
+The energy ceiling goes under the guard once a window has measured what the package sustains
+within two bins of the guard's clock, so the floor is read there and not carried by a noisy fit
+from the cold die's clock far above (it had waited for the guard to stand still for
+``horizon_s``; on a package still warming the guard moves a bin every 20-40 s for minutes, and
+``efficient`` spent about 1 % of its 5 %).
 
 The uncore clock
 ----------------
@@ -680,9 +690,9 @@ class EfficiencyController:
             # an action (as deep as a probe)
             want = self._top(o)
         if self._thermal_mhz is not None and want < self._thermal_mhz and \
-                o.time_s - self._thermal_moved_s < cfg.horizon_s:
-            # the guard is still finding what the heat allows (its cuts under throttling
-            # overshoot, its relaxes come a bin at a time): no energy cut under it yet
+                not self._measured_at(self._thermal_mhz):
+            # what the package sustains under the guard is the floor's reference: measured
+            # there first, not carried by a noisy fit from the cold die's clock far above
             want = max(want, self._thermal_mhz)
         limit = cfg.max_move_bins * cfg.step_mhz
         previous = self._energy_mhz
@@ -707,6 +717,10 @@ class EfficiencyController:
         return (f"energy: {want:.0f} MHz keeps tokens/s over {floor:.2f}, within "
                 f"{cfg.delta_percent:g} % of the free {free:.0f} MHz's (fit 1/R = {fit.a:.4g} β "
                 f"+ {fit.b:.4g}/f, elasticity {elasticity:.2f} there)")
+
+    def _measured_at(self, mhz: float) -> bool:
+        """A window of what the package sustains lies within two bins of ``mhz``."""
+        return any(abs(pt.f - mhz) <= 2 * self.config.step_mhz for pt in self._sustained)
 
     def _slack_mhz(self, o: Observation, floor: float) -> float | None:
         """One bin under the energy ceiling in force when its last windows (three or more at
@@ -811,15 +825,20 @@ class EfficiencyController:
                     f"{t_hit:.0f} s (settling at {t_ss:.1f} °C, {o.pkg_power_w:.0f} W)")
         # relax slowly: the heat sink answers over minutes, a fit since the last change
         # sees mostly the die, so a quick relax would undo what the sink needs
+        energy_holds = self._energy_mhz is not None and self._thermal_mhz is not None and \
+            self._energy_mhz < self._thermal_mhz
+        # under an energy cut the prediction extrapolates from a cooler package (and its
+        # leakage): one bin per re-probe, so a heat that returns is met before the next
+        pace = cfg.reprobe_s if energy_holds else cfg.horizon_s / 2
         if self._thermal_mhz is not None and math.isfinite(t_ss) and \
-                o.time_s - self._changed_s >= cfg.horizon_s / 2:
+                o.time_s - max(self._changed_s, self._thermal_moved_s) >= pace:
             up = self._thermal_mhz + cfg.step_mhz
             t_up = self._temp_at(o, t_ss, up)
             if t_up >= t_set - RELAX_MARGIN_C:
                 return None
             # a ceiling the clock already runs under holds nothing: let it go (the guard
             # cuts again if the heat comes back)
-            idle_cap = o.busy_mhz < self._thermal_mhz - cfg.step_mhz / 2
+            idle_cap = o.busy_mhz < self._thermal_mhz - cfg.step_mhz / 2 and not energy_holds
             self._thermal_mhz = None if up >= self._top(o) or idle_cap else up
             self._thermal_moved_s = o.time_s
             return (f"thermal relaxed: settling at {t_ss:.1f} °C, {t_up:.1f} °C predicted one bin "
