@@ -1,7 +1,8 @@
 """The controller on the plant shapes the independent plant found it failing on (issue 28's
 findings), each in simulated time against the same plant left alone (stock): the PL1-only path,
 a workload whose bytes per token drift, AMD's unreadable limit, noisy sensors, a rise that levels
-off under the limit, cuts that cannot bind. Each of these fails with the controller before it.
+off under the limit, cuts that cannot bind; and a package still warming, where the guard moves
+for minutes. Each of these fails with the controller before it.
 """
 
 from __future__ import annotations
