@@ -7,7 +7,8 @@ minutes each: the policies ``stock`` (nothing), ``ladder`` (the previous rung co
 the best tokens/s) and ``dsr1d`` (the tokens-per-joule controller, dsr1d.core.efficiency).
 Prints tables and a JSON object; never passes or fails. Usage:
     .venv/bin/python bench/mitigation.py [--ensemble 100] [--families 10] [--seed 7] [--quick]
-        [--jobs 2] [--daemon-seconds 60] [--reaction-samples 20] [--write docs/mitigation.md]
+        [--jobs 2] [--long 40] [--daemon-seconds 60] [--reaction-samples 20]
+        [--write docs/mitigation.md]
 
 Figures (everything after the first minute): tok/s (tokens / time), p5 tok/s (5th percentile of
 the decoding samples), J/token, throttle duty (time the hardware limited the clock for heat),
@@ -35,6 +36,11 @@ worst >= 0.97x, <= 5 % of the plants losing > 1 %, regret median <= 3 % and wors
 PAGE`` puts that as the block ``mitigation``. ``--quick``: an ensemble of 30, families of 5.
 The oracle's runs (stock and every fixed ceiling) are made once per plant, shared by both kinds
 of sensors and both deltas; plants run in ``--jobs`` worker processes.
+
+The heat-up's share of the regret (``--long N``, default 40; 0 skips it): the first N ensemble
+plants again over 30 minutes, against the oracle over the same 30 minutes, and the oracle's own
+ceiling (delta 2 %) set at 40, 120 and 240 s instead of from the start, its J/token regret over
+the run on those whose stock throttles: what any controller pays that must see the heat first.
 
 The controller's reaction: its own cost per sample (microseconds, pure Python), and with
 ``--reaction-samples N`` (default 20; 0 skips it) the real daemon against a fake root driven by
