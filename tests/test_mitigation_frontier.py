@@ -181,3 +181,14 @@ def test_efficient_spends_its_budget_on_a_warming_package(name: str, sensors: st
     tok, joules, _ = ratios(plant, 1800, EfficiencyConfig(delta_percent=5.0))
     assert tok >= 0.95
     assert joules <= 0.945
+
+
+@pytest.mark.parametrize("seed, delta, before", [(1, 2.0, 0.982), (0, 5.0, 0.979)])
+def test_a_growing_kv_cache_under_the_guard_keeps_the_energy_path(seed: int, delta: float,
+                                                                   before: float) -> None:
+    # hot and drifting: when the bytes per token move a quarter the decode curve is learned
+    # again, but under the thermal guard no window runs free; before, the energy path waited
+    # for a free one for good (its last move at 164-248 s of 30 minutes, J/token ``before``)
+    tok, joules, _ = ratios(plants(seed)["drift"], 1800, EfficiencyConfig(delta_percent=delta))
+    assert tok >= 0.98 - delta / 100
+    assert joules <= before - 0.02

@@ -71,7 +71,9 @@ The energy ceiling goes under the guard once a window has measured what the pack
 within two bins of the guard's clock, so the floor is read there and not carried by a noisy fit
 from the cold die's clock far above (it had waited for the guard to stand still for
 ``horizon_s``; on a package still warming the guard moves a bin every 20-40 s for minutes, and
-``efficient`` spent about 1 % of its 5 %).
+``efficient`` spent about 1 % of its 5 %). Where the guard holds the clock, the clock it holds
+stands for the free one: after a workload change under the guard (a KV cache grown by a
+quarter) no window runs free again, and the energy path had waited for one for good.
 
 The uncore clock
 ----------------
@@ -550,7 +552,7 @@ class EfficiencyController:
         today's bytes per token and the guard's frequency now."""
         if not self._sustained:
             return None
-        at = min(x for x in (self._free_mhz, self._thermal_mhz) if x is not None)
+        at = min(x for x in (self._free_clock(), self._thermal_mhz) if x is not None)
         rates = []
         for pt in self._sustained:
             scale = 1.0
@@ -649,11 +651,11 @@ class EfficiencyController:
         """Update the energy target from the fit (or probe); a note when it changed. Held while
         the uncore steps down: one knob at a time, the core's first."""
         cfg = self.config
-        if not self._points or self._free_mhz is None or \
+        free = self._free_clock()
+        if not self._points or free is None or \
                 ("uncore_ceiling" in self.active and not self._uncore_done):
             return None
         fit = fit_inverse(self._fit_points(), o.gb_per_token) or self._fit
-        free = self._free_mhz
         if fit is None:
             if self._energy_mhz is not None or self._probing:
                 return None
@@ -717,6 +719,14 @@ class EfficiencyController:
         return (f"energy: {want:.0f} MHz keeps tokens/s over {floor:.2f}, within "
                 f"{cfg.delta_percent:g} % of the free {free:.0f} MHz's (fit 1/R = {fit.a:.4g} β "
                 f"+ {fit.b:.4g}/f, elasticity {elasticity:.2f} there)")
+
+    def _free_clock(self) -> float | None:
+        """The clock the package runs with no energy cut of ours: the last free window's, or
+        where the thermal guard held it (after a workload change under the guard no window is
+        free again, and the energy path would wait for one for good)."""
+        if self._free_mhz is not None:
+            return self._free_mhz
+        return self._sustained[-1].f if self._sustained else None
 
     def _measured_at(self, mhz: float) -> bool:
         """A window of what the package sustains lies within two bins of ``mhz``."""
