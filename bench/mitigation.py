@@ -74,8 +74,7 @@ from typing import Any
 from results import add_write_option, markdown_table, write
 
 from dsr1d.core.efficiency import EfficiencyConfig
-from dsr1d.sim.plant import Plant
-from dsr1d.sim.run import (Dsr1d, Ladder, Policy, best_fixed, ceiling_runs, compare, figures,
+from dsr1d.sim.run import (Ceiling, Dsr1d, Ladder, best_fixed, ceiling_runs, compare, figures,
                            percentile, run, summary)
 from dsr1d.sim.scenarios import (FAMILIES, FAMILY_SECONDS, Scenario, ensemble, families, plants,
                                  with_real_sensors)
@@ -420,38 +419,27 @@ ARRIVALS_S = (40.0, 120.0, 240.0)       # when a late controller would set the o
 LONG_SECONDS = 1800.0                   # a decode as long as R1's reasoning runs
 
 
-class LateCeiling(Policy):
-    """A fixed ceiling set only at ``at`` seconds: the oracle's answer, arriving late."""
-
-    def __init__(self, mhz: float, at: float) -> None:
-        self.mhz, self.at, self.name = mhz, at, f"ceiling:{mhz:.0f}@{at:.0f}s"
-
-    def step(self, plant: Plant) -> list:
-        if plant.time_s >= self.at:
-            plant.controls.ceiling_ghz = self.mhz / 1000.0
-        return []
-
-
-def arrival_cost(n: int, seed: int, elasticity: tuple[float, float], seconds: float,
-                 pool: ProcessPoolExecutor) -> dict[float, tuple[float, float, int]]:
-    """Over the first ``n`` ensemble plants whose stock throttles: (median, worst, plants) of the
-    oracle's own J/token regret when its ceiling arrives at each of `ARRIVALS_S`: what any
-    controller pays that must first see the heat before it knows the answer."""
-    got = [r for r in pool.map(_late_one, [(i, n, seed, elasticity, seconds) for i in range(n)])
-           if r is not None]
+def arrival_cost(drawn: list[dict], n: int, seed: int, elasticity: tuple[float, float],
+                 seconds: float, pool: ProcessPoolExecutor
+                 ) -> dict[float, tuple[float, float, int]]:
+    """Over the first plants of the ensemble of ``n`` measured in ``drawn`` (`measure`'s results,
+    their oracle runs included, in the ensemble's order) whose stock throttles: (median, worst,
+    plants) of the oracle's own J/token regret when its ceiling arrives at each of `ARRIVALS_S`:
+    what any controller pays that must first see the heat before it knows the answer."""
+    jobs = [(i, n, seed, elasticity, seconds, m["runs"]) for i, m in enumerate(drawn)]
+    got = [r for r in pool.map(_late_one, jobs) if r is not None]
     return {at: (statistics.median(col), max(col), len(col))
             for at, col in zip(ARRIVALS_S, zip(*got))} if got else {}
 
 
-def _late_one(job: tuple[int, int, int, tuple[float, float], float]) -> list[float] | None:
-    index, n, seed, elasticity, seconds = job
-    sc = ensemble(n, seed, elasticity)[index]
-    runs = oracle_runs(sc, seconds)
+def _late_one(job: tuple[int, int, int, tuple[float, float], float, dict]) -> list[float] | None:
+    index, n, seed, elasticity, seconds, runs = job
     name, best = best_fixed(runs, 2.0)
     if runs["stock"]["first_thermal_event_s"] is None or not name.startswith("ceiling:"):
         return None
+    sc = ensemble(n, seed, elasticity)[index]
     mhz = float(name.split(":")[1])
-    return [figures(run(sc, LateCeiling(mhz, at), seconds))["joules_per_token"] /
+    return [figures(run(sc, Ceiling(mhz, at), seconds))["joules_per_token"] /
             best["joules_per_token"] - 1 for at in ARRIVALS_S]
 
 
@@ -542,8 +530,8 @@ def main() -> None:
         long_runs = list(pool.map(measure, [
             ("ensemble", args.ensemble, args.seed, i, LONG_SECONDS, (lo, hi), sensors)
             for i in range(min(args.long, args.ensemble))]))
-        late = arrival_cost(min(args.long, args.ensemble), args.seed, (lo, hi), args.seconds,
-                            pool) if args.long else {}
+        late = arrival_cost(groups["ensemble"][:args.long], args.ensemble, args.seed, (lo, hi),
+                            args.seconds, pool) if args.long else {}
     simulated = time.monotonic() - t0
 
     drawn = groups["ensemble"]

@@ -507,8 +507,7 @@ class EfficiencyController:
         if self._window is None:
             self._window = _Window(o.time_s, uncore=self._uncore_limit())
         held = self._held(o)
-        thermal_holds = self._thermal_mhz is not None and \
-            (self._energy_mhz is None or self._energy_mhz >= self._thermal_mhz)
+        thermal_holds = self._thermal_mhz is not None and not self._energy_under_guard()
         lowered = "uncore_ceiling" in self.active        # the uncore is no one's sustained state
         self._window.add(o, not held, (not held or thermal_holds) and not lowered)
         period = o.time_s - self._prev.time_s if self._prev is not None else 1.0
@@ -728,6 +727,11 @@ class EfficiencyController:
             return self._free_mhz
         return self._sustained[-1].f if self._sustained else None
 
+    def _energy_under_guard(self) -> bool:
+        """The energy ceiling holds the clock under the thermal guard's."""
+        return self._energy_mhz is not None and self._thermal_mhz is not None and \
+            self._energy_mhz < self._thermal_mhz
+
     def _measured_at(self, mhz: float) -> bool:
         """A window of what the package sustains lies within two bins of ``mhz``."""
         return any(abs(pt.f - mhz) <= 2 * self.config.step_mhz for pt in self._sustained)
@@ -835,8 +839,7 @@ class EfficiencyController:
                     f"{t_hit:.0f} s (settling at {t_ss:.1f} °C, {o.pkg_power_w:.0f} W)")
         # relax slowly: the heat sink answers over minutes, a fit since the last change
         # sees mostly the die, so a quick relax would undo what the sink needs
-        energy_holds = self._energy_mhz is not None and self._thermal_mhz is not None and \
-            self._energy_mhz < self._thermal_mhz
+        energy_holds = self._energy_under_guard()
         # under an energy cut the prediction extrapolates from a cooler package (and its
         # leakage): one bin per re-probe, so a heat that returns is met before the next
         pace = cfg.reprobe_s if energy_holds else cfg.horizon_s / 2

@@ -37,14 +37,20 @@ class Policy:
 
 
 class Ceiling(Policy):
-    """A fixed frequency ceiling from the start."""
+    """A fixed frequency ceiling from the start, or from ``from_s`` seconds."""
 
-    def __init__(self, mhz: float) -> None:
-        self.mhz = mhz
-        self.name = f"ceiling:{mhz:.0f}"
+    def __init__(self, mhz: float, from_s: float = 0.0) -> None:
+        self.mhz, self.from_s = mhz, from_s
+        self.name = f"ceiling:{mhz:.0f}" + (f"@{from_s:.0f}s" if from_s > 0 else "")
 
     def start(self, plant: Plant) -> None:
-        plant.controls.ceiling_ghz = self.mhz / 1000.0
+        if self.from_s <= 0:
+            plant.controls.ceiling_ghz = self.mhz / 1000.0
+
+    def step(self, plant: Plant) -> list[Action]:
+        if 0 < self.from_s <= plant.time_s:
+            plant.controls.ceiling_ghz = self.mhz / 1000.0
+        return []
 
 
 class PowerCap(Policy):
