@@ -25,6 +25,11 @@ users run it on CPU. On an AMX CPU a fourth column, ``dsr1d all``, runs dsr1d's 
 round, as in ``bench/inference.py`` (whose summary and table this shares); a binary that cannot
 run on the CPU (an instruction it lacks) is reported and left out. It never fails: it reports.
 
+A kit built with ``DSR1D_KIT_ARCH=x86-64-v3`` (AVX2, FMA and F16C, no AVX-512) measures what an
+AVX2-only CPU (AMD Zen 2 and 3, Intel before Skylake-SP) gets from each: dsr1d's AVX2 kernels, the
+release's and ik's AVX2 paths. It runs on any x86 machine, this one included, has no ``dsr1d all``
+column, and writes the block ``server-scale-avx2``.
+
     python3 bench/server_scale.py [--kit .kit] [--preset 7b] [--types Q4_0,Q8_0,Q4_K_M]
         [--threads N] [--rounds 2] [--prompt 128] [--tokens 64] [--reps 2] [--write PAGE]
 """
@@ -55,6 +60,10 @@ KIT_NAMES = {"release": "release", "ik -rtr": "ik", "dsr1d": "dsr1d"}
 # on the files it changes: its panels instead of amx/'s tiles for Q4_0 and Q8_0, as a second
 # dsr1d column (not a peer), to learn which is faster at this many cores
 ALL_TYPES = ("Q4_0", "Q8_0")
+# GCC -march levels without AVX-512: a kit built for one (DSR1D_KIT_ARCH=x86-64-v3) measures what an
+# AVX2-only CPU gets (dsr1d's AVX2 kernels, the release's and ik's AVX2 paths) on any x86 machine,
+# with no AMX and so no "dsr1d all" column; its figures go to a block of their own
+AVX2_ARCHES = ("x86-64-v3", "haswell", "broadwell", "skylake", "znver1", "znver2", "znver3")
 
 
 def kit_arch(kit: Path) -> str:
@@ -67,7 +76,7 @@ def unpack(kit: Path, into: Path) -> dict[str, Path]:
     bins = {}
     for row in ROWS:
         if row == "dsr1d all":   # dsr1d's binary, unpacked and probed already
-            if "dsr1d" in bins and inference.has_amx():
+            if "dsr1d" in bins and inference.has_amx() and kit_arch(kit) not in AVX2_ARCHES:
                 bins[row] = bins["dsr1d"]
             continue
         packed = kit / f"{KIT_NAMES[row]}-llama-bench.gz"
@@ -166,7 +175,8 @@ def main() -> None:
     print(text)
     print(json.dumps(records))
     print(f"{time.monotonic() - start:.0f} s in all", file=sys.stderr)
-    write(args.write, "server-scale", f"{inference.cpu_line()}\n\n{head}:\n\n{text}")
+    block = "server-scale-avx2" if kit_arch(args.kit) in AVX2_ARCHES else "server-scale"
+    write(args.write, block, f"{inference.cpu_line()}\n\n{head}:\n\n{text}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """dsr1d's K-quant kernels (tools/llama-patches/kquant-vnni.patch) answer as the release's do.
 
-On a CPU with AVX-512 VNNI, Q4_K, Q5_K, Q6_K and IQ4_XS matrices (and Q4_0, IQ4_NL and Q8_0 where
-there is no AMX, whose tiles take them otherwise) are repacked at load into the ``CPU_DSR1D_KQ``
-buffer and multiplied by dsr1d's kernels; ``DSR1D_KQUANTS=0`` turns them off, which leaves
+On a CPU with AVX2 (AVX-512 VNNI where it has it), Q4_K, Q5_K, Q6_K and IQ4_XS matrices (and Q4_0,
+IQ4_NL and Q8_0 where there is no AMX, whose tiles take them otherwise) are repacked at load into
+the ``CPU_DSR1D_KQ`` buffer and multiplied by dsr1d's kernels; ``DSR1D_KQUANTS=avx2`` runs the
+kernels and types an AVX2-only CPU gets on a CPU with AVX-512 too, so that every CI machine checks
+both kernel sets; ``DSR1D_KQUANTS=0`` turns them off, which leaves
 llama.cpp's own kernels (the release's; Q4_0, IQ4_NL and Q8_0 through amx/'s VNNI rows, which sum
 as the release's do). Both quantize the activations the same way (Q8_K; per 32 for the rest), so
 the logits may differ only by the order of float sums. Checked on SmolLM2-135M-Instruct
@@ -32,7 +34,7 @@ from engine_fixtures import smollm2  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "src" / "dsr1d" / "engine" / "corpus.txt"
-HAS_KERNELS = {"avx512_vnni", "avx512bw"} <= cpu_flags()
+HAS_KERNELS = {"avx2", "fma", "f16c"} <= cpu_flags()
 TYPES = ["Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "Q8_0", "Q4_0"]
 RANDOM_TYPES = TYPES + ["int4"]
 # the matrix types the kernels take: the K-quants everywhere, those with a d per 32 columns only
@@ -129,21 +131,26 @@ def _matrix_types(path: Path) -> set[str]:
 def _check_buffer(log_on: str, log_off: str, path: Path, setting: str = "1") -> None:
     # the kernels are in use exactly where the CPU has them and the file has a type they take
     # (a Q4_0 file's Q6_K output on AMX), and never with DSR1D_KQUANTS=0
-    amx_keeps_per32 = "amx_int8" in cpu_flags() and setting != "all"
+    amx_keeps_per32 = "amx_int8" in cpu_flags() and setting not in ("all", "avx2")
     taken = K_TYPES | (set() if amx_keeps_per32 else PER32)
     expected = HAS_KERNELS and bool(_matrix_types(path) & taken)
     assert (BUFFER in log_on) == expected, log_on[-2000:]
     assert BUFFER not in log_off
+    if expected:   # and the kernel set the setting asks for
+        wide = {"avx512_vnni", "avx512bw"} <= cpu_flags() and setting != "avx2"
+        assert f"dsr1d's {'AVX-512 VNNI' if wide else 'AVX2'} kernels" in log_on, log_on[-2000:]
 
 
+@pytest.mark.parametrize("setting", ["1", "avx2"])
 @pytest.mark.parametrize("ftype", TYPES)
-def test_smollm2_perplexity_matches_the_release_kernels(ftype: str, requantized: dict[str, Path],
+def test_smollm2_perplexity_matches_the_release_kernels(ftype: str, setting: str,
+                                                        requantized: dict[str, Path],
                                                         tmp_path: Path) -> None:
     path = requantized[ftype]
     ids = _tokens(path, 256)
-    on, log_on = _logits(path, ids, 64, "1", tmp_path)
+    on, log_on = _logits(path, ids, 64, setting, tmp_path)
     off, log_off = _logits(path, ids, 64, "0", tmp_path)
-    _check_buffer(log_on, log_off, path)
+    _check_buffer(log_on, log_off, path, setting)
     ppl_on, ppl_off = _perplexity(on, ids), _perplexity(off, ids)
     assert abs(ppl_on / ppl_off - 1) < 0.005, (ppl_on, ppl_off)
     # The activations are requantized at every layer, so float order alone moves a rounding here
@@ -153,8 +160,10 @@ def test_smollm2_perplexity_matches_the_release_kernels(ftype: str, requantized:
 
 
 # DSR1D_KQUANTS=all: the kernels take Q4_0, IQ4_NL and Q8_0 even where amx/ would (to measure one
-# against the other on an AMX CPU); elsewhere it is the default
-CASES = [(t, "1") for t in RANDOM_TYPES] + [(t, "all") for t in ("Q4_0", "Q8_0", "int4")]
+# against the other on an AMX CPU); elsewhere it is the default. avx2: the AVX2 kernels, and the
+# types an AVX2-only CPU gives them, where the CPU has AVX-512 too (elsewhere the default)
+CASES = ([(t, "1") for t in RANDOM_TYPES] + [(t, "all") for t in ("Q4_0", "Q8_0", "int4")]
+         + [(t, "avx2") for t in RANDOM_TYPES])
 
 
 @pytest.mark.parametrize("n_batch", [1, 7, 64])
