@@ -71,12 +71,17 @@ def kit_arch(kit: Path) -> str:
     return (kit / "arch.txt").read_text().strip() if (kit / "arch.txt").exists() else "?"
 
 
+def avx2_kit(kit: Path) -> bool:
+    """Whether the kit was built for an AVX2 level (no AVX-512, no AMX: no ``dsr1d all`` column)."""
+    return kit_arch(kit) in AVX2_ARCHES
+
+
 def unpack(kit: Path, into: Path) -> dict[str, Path]:
     """The kit's binaries that run on this CPU, by row."""
     bins = {}
     for row in ROWS:
         if row == "dsr1d all":   # dsr1d's binary, unpacked and probed already
-            if "dsr1d" in bins and inference.has_amx() and kit_arch(kit) not in AVX2_ARCHES:
+            if "dsr1d" in bins and inference.has_amx() and not avx2_kit(kit):
                 bins[row] = bins["dsr1d"]
             continue
         packed = kit / f"{KIT_NAMES[row]}-llama-bench.gz"
@@ -175,7 +180,7 @@ def main() -> None:
     print(text)
     print(json.dumps(records))
     print(f"{time.monotonic() - start:.0f} s in all", file=sys.stderr)
-    block = "server-scale-avx2" if kit_arch(args.kit) in AVX2_ARCHES else "server-scale"
+    block = "server-scale-avx2" if avx2_kit(args.kit) else "server-scale"
     write(args.write, block, f"{inference.cpu_line()}\n\n{head}:\n\n{text}")
 
 
