@@ -20,7 +20,7 @@ from dsr1d.sim.sim import simulate_main
 
 PLANTS = plants()
 NEW = ("pl1-only", "pl1-only-cool", "burst-sustain", "drift", "amd-90", "amd-95", "amd-100",
-       "turbo-above-allcore", "never-hot", "inlet-spike")
+       "turbo-above-allcore", "never-hot", "slow-sink", "inlet-spike")
 
 
 def mean(rows: list[dict[str, Any]], key: str, start: float, end: float) -> float:
@@ -231,6 +231,17 @@ def test_never_hot_rises_for_half_an_hour_and_stays_under_its_limit() -> None:
     assert temp[240] + slope * (1800 - 240) > limit + 5
     settled = run(sc, Policy(), 6 * 3600, dt=10.0)[-1]["pkg_temp_c"]
     assert limit - 5 < settled < limit - 2
+
+
+# -- slow-sink -----------------------------------------------------------------------------------
+
+def test_slow_sink_throttles_only_after_minutes_and_sustains_less_for_good() -> None:
+    rows = run(PLANTS["slow-sink"], Policy(), 1800)
+    first = next(r["time_s"] for r in rows if r["events"] > 0)
+    assert 240 < first < 420                      # five minutes at turbo before the limit
+    early, late = mean(rows, "freq_mhz", 0, 240), mean(rows, "freq_mhz", 1200, 1800)
+    assert early > 3700 and late < early - 800    # what it sustains is far under the start
+    assert mean(rows, "tokens_per_s", 1200, 1800) < 0.96 * mean(rows, "tokens_per_s", 0, 240)
 
 
 # -- inlet-spike ---------------------------------------------------------------------------------

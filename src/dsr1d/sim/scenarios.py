@@ -58,6 +58,11 @@ Plants of shapes the controller was found to fail on (issue #28):
   constant near 17 minutes (c_sink x r_sink_amb), so at 30 minutes it is at 93 °C and still
   rising 0.45 °C a minute, while a line through minutes 2 to 4 (1.8 °C a minute) crosses the
   limit before 30 minutes.
+* ``slow-sink``: ``step-tcc`` with a heat sink nearly three times the XEON's (1800 J/K, time
+  constant 7 minutes with 0.24 K/W to the inlet; the ensemble draws sinks of 220-1950 J/K): stock
+  runs 3.8 GHz for five minutes, first throttles at 322 s and sustains 2.8 GHz from minute 10 on
+  (0.94x the tokens/s of its first five minutes). An energy cut keeps such a package cool, so
+  the decode never shows the heat that stock would meet.
 * ``inlet-spike``: ``step-tcc`` with the inlet 10 °C warmer from 300 s to 480 s (a CRAC unit
   cycling, a neighbour's exhaust), then back.
 
@@ -183,6 +188,7 @@ BURST_SUSTAIN = replace(STEP_TCC, name="burst-sustain", pl1_w=210.0, pl2_w=420.0
                         knee_ghz=2.0, r_sink_amb_k_per_w=0.12)
 TURBO_ABOVE_ALLCORE = replace(STEP_TCC, name="turbo-above-allcore", f_allcore_ghz=3.0)
 NEVER_HOT = replace(STEP_TCC, name="never-hot", c_sink_j_per_k=8000.0, r_sink_amb_k_per_w=0.13)
+SLOW_SINK = replace(STEP_TCC, name="slow-sink", c_sink_j_per_k=1800.0)
 
 
 def drift(seed: int = 0) -> PlantParams:
@@ -241,6 +247,8 @@ def _issue_28_plants(seed: int) -> tuple[Scenario, ...]:
                  description="cpuinfo_max_freq 3.8 GHz, all-core turbo 3.0 GHz"),
         Scenario("never-hot", NEVER_HOT,
                  description="big heat sink: rises for 30 min, settles 3.3 °C under the limit"),
+        Scenario("slow-sink", SLOW_SINK,
+                 description="heat sink 1800 J/K: stock throttles only after 5 minutes"),
         Scenario("inlet-spike", replace(STEP_TCC, name="inlet-spike"),
                  _inlet_spike(300.0, 180.0, 10.0),
                  description="step-tcc, inlet +10 °C from 300 s to 480 s"),
