@@ -58,8 +58,8 @@ MIN_SPREAD_MHZ = 100.0
 def sustained_clock(samples: Sequence[tuple[float, float, float]], t_limit_c: float
                     ) -> float | None:
     """The busy MHz at which the package would settle at ``t_limit_c``, from ``samples`` of one
-    decode, one a second, oldest first: (package °C, package watts, busy MHz). None until
-    `MIN_BLOCKS` blocks, or where the fit cannot say."""
+    decode at the telemetry interval (a second by default), oldest first: (package °C, package
+    watts, busy MHz). None until `MIN_BLOCKS` blocks, or where the fit cannot say."""
     n = len(samples) // BLOCK
     if n < MIN_BLOCKS:
         return None
