@@ -35,8 +35,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-# samples per block: longer than a die's time constant (1.6 s on the calibrated plant, under
-# 10 s on the parts in MITIGATION-NOTES.md) at one sample a second
+# samples per block: several of a die's time constant at one sample a second (1-2 s per
+# MITIGATION-NOTES.md, 1.6 s on the calibrated plant), and far under a heat sink's (>= 100 s)
 BLOCK = 10
 # blocks before the first answer: two minutes, about one time constant of the calibrated sink
 MIN_BLOCKS = 12
