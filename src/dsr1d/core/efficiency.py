@@ -597,7 +597,10 @@ class EfficiencyController:
         del self._heat[:-HEAT_SAMPLES]
         t_set = self._set_c(o)
         if t_set is not None and len(self._heat) % BLOCK == 0:
-            self._sustain_mhz = sustained_clock(self._heat, t_set + self.config.limit_margin_c)
+            # an answer stands until a better one: a block the fit cannot answer says nothing
+            # new, and a reference flipping with it moved the ceiling five bins and back
+            got = sustained_clock(self._heat, t_set + self.config.limit_margin_c)
+            self._sustain_mhz = got if got is not None else self._sustain_mhz
 
     def _learn_limit(self, o: Observation, point: Point) -> None:
         """Where the limit is unreadable: the free clock falling a bin or more while the
@@ -755,8 +758,17 @@ class EfficiencyController:
         self._energy_mhz = None if want >= self._top(o) else want
         elasticity = fit.b / (fit.a * free + fit.b) if (fit.a * free + fit.b) > 0 else 0.0
         return (f"energy: {want:.0f} MHz keeps tokens/s over {floor:.2f}, within "
-                f"{cfg.delta_percent:g} % of the free {free:.0f} MHz's (fit 1/R = {fit.a:.4g} β "
+                f"{cfg.delta_percent:g} % of {self._reference()} (fit 1/R = {fit.a:.4g} β "
                 f"+ {fit.b:.4g}/f, elasticity {elasticity:.2f} there)")
+
+    def _reference(self) -> str:
+        """What the floor is measured against, in words."""
+        at = self._ref_mhz
+        if self._sustain_mhz is not None and abs(at - self._sustain_mhz) < 0.5:
+            return f"the {at:.0f} MHz the package would settle at at its limit"
+        if self._thermal_mhz is not None and abs(at - self._thermal_mhz) < 0.5:
+            return f"the thermal guard's {at:.0f} MHz"
+        return f"the free {at:.0f} MHz's"
 
     def _free_clock(self) -> float | None:
         """The clock the package runs with no energy cut of ours: the last free window's, or
