@@ -191,3 +191,58 @@ def test_the_readme_names_every_layer():
         if layer not in {"shared", "plugins"}:
             assert f"src/dsr1d/{layer}/" in section, layer
     assert "src/dsr1d/plugins/" in section
+
+
+# The import names of setup.cfg's distributions, where they differ.
+IMPORT_NAMES = {"dbus-fast": "dbus_fast", "systemd-python": "systemd"}
+# Outside the engine, an extra's library only in the module that offers it (and says so).
+EXTRA_MODULES = {"matplotlib": {"dsr1d.client.plot"}}
+
+
+def base_requirements(repo: Path = REPO) -> set[str]:
+    """The import names ``install_requires`` installs (``make install ENGINE=no``)."""
+    import configparser
+    import re
+    cfg = configparser.ConfigParser()
+    cfg.read(repo / "setup.cfg")
+    names = set()
+    for line in cfg["options"]["install_requires"].split("\n"):
+        dist = re.split(r"[<>=!~;\[ ]", line.strip(), maxsplit=1)[0]
+        if dist:
+            names.add(IMPORT_NAMES.get(dist, dist.replace("-", "_")))
+    return names
+
+
+def unlisted_imports(dirs: dict[str, Path] = PACKAGE_DIRS, repo: Path = REPO) -> list[str]:
+    """Imports outside the engine of libraries the base install does not carry."""
+    import sys
+    allowed = base_requirements(repo) | set(sys.stdlib_module_names) | {"dsr1d"}
+    found = []
+    for path in sources(dirs):
+        for imp in imports_of(path, dirs):
+            top = imp.target.split(".")[0]
+            if layer_of(imp.module) == "engine" or top in allowed \
+                    or imp.module in EXTRA_MODULES.get(top, set()):
+                continue
+            found.append(f"{imp.path.relative_to(repo)}:{imp.line}: {imp.module} imports {top}, "
+                         f"which install_requires does not install")
+    return found
+
+
+def test_the_daemon_runs_on_the_base_install():
+    """The systemd container installs without the engine extra: a core import of numpy once
+    stopped `systemctl start dsr1d` there."""
+    found = unlisted_imports()
+    assert not found, "\n".join(found)
+
+
+def test_an_import_the_base_install_lacks_is_caught(tmp_path):
+    pkg = tmp_path / "src" / "dsr1d"
+    (pkg / "core").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "core" / "__init__.py").write_text("")
+    (pkg / "core" / "fit.py").write_text("import numpy as np\n")
+    (tmp_path / "setup.cfg").write_text((REPO / "setup.cfg").read_text())
+    found = unlisted_imports({"dsr1d": pkg}, tmp_path)
+    assert found == ["src/dsr1d/core/fit.py:1: dsr1d.core.fit imports numpy, "
+                     "which install_requires does not install"], found

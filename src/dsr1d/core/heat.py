@@ -31,9 +31,8 @@ where the denominator's sign is not certain there is no answer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-
-import numpy as np
 
 # samples per block: several of a die's time constant at one sample a second (1-2 s per
 # MITIGATION-NOTES.md, 1.6 s on the calibrated plant), and far under a heat sink's (>= 100 s)
@@ -47,12 +46,21 @@ Z_ONE_SIDED = 1.2816
 # big sink, 8000 J/K, the answer went from 4180 to 3390 MHz over 20 minutes of one decode)
 SPAN_TIME_CONSTANTS = 1.0
 # the power curve's exponent: dynamic power ~ f V(f)^2 between V flat (1) and V ~ f (3), and
-# beyond either side for the curvature leakage adds
-EXPONENTS = (1.5, 2.0, 2.5, 3.0, 3.5)
+# beyond either side for the curvature leakage adds; the middle first, as it is the one kept
+# where the clocks seen do not tell them apart (two clocks: every curve passes through both)
+EXPONENTS = (2.5, 2.0, 3.0, 1.5, 3.5)
+# a fit better than the kept one by less than this (relative) is a tie, rounding's choice
+TIE = 1e-9
 # an answer this far outside the powers seen is an extrapolation the fit cannot carry
 POWER_RANGE = (0.5, 1.5)
 # the power curve needs clocks a bin apart (a probe, a cut, the free clock before them)
 MIN_SPREAD_MHZ = 100.0
+# a column whose part outside the others is this small against its length is no new evidence
+# (numpy's rank test is of the same order: machine epsilon times the rows times the norm)
+RANK_TOLERANCE = 1e-9
+
+
+Vector = list[float]
 
 
 def sustained_clock(samples: Sequence[tuple[float, float, float]], t_limit_c: float
@@ -63,52 +71,93 @@ def sustained_clock(samples: Sequence[tuple[float, float, float]], t_limit_c: fl
     n = len(samples) // BLOCK
     if n < MIN_BLOCKS:
         return None
-    blocks = np.asarray(samples[len(samples) - n * BLOCK:], dtype=float)
-    blocks = blocks.reshape(n, BLOCK, 3).mean(axis=1)
-    temp, watts, mhz = blocks[:, 0], blocks[:, 1], blocks[:, 2]
-    if float(np.ptp(mhz)) < MIN_SPREAD_MHZ:
+    rest = samples[len(samples) - n * BLOCK:]
+    temp, watts, mhz = ([sum(s[i] for s in rest[b * BLOCK:(b + 1) * BLOCK]) / BLOCK
+                         for b in range(n)] for i in range(3))
+    if max(mhz) - min(mhz) < MIN_SPREAD_MHZ:
         return None
+    mean_w = sum(watts) / n
     p_lim = _limit_watts(temp, watts, t_limit_c)
-    if p_lim is None or not POWER_RANGE[0] * watts.mean() < p_lim < POWER_RANGE[1] * watts.mean():
+    if p_lim is None or not POWER_RANGE[0] * mean_w < p_lim < POWER_RANGE[1] * mean_w:
         return None
     return _clock_for(temp, watts, mhz, p_lim, t_limit_c)
 
 
-def _limit_watts(temp: np.ndarray, watts: np.ndarray, t_limit_c: float) -> float | None:
+def _limit_watts(temp: Vector, watts: Vector, t_limit_c: float) -> float | None:
     """``P_lim`` of the two-stage fit, `Z_ONE_SIDED` standard errors high (delta method)."""
-    x = np.column_stack([temp[:-1], watts[1:], watts[:-1], np.ones(len(temp) - 1)])
+    cols = [temp[:-1], watts[1:], watts[:-1], [1.0] * (len(temp) - 1)]
     y = temp[1:]
-    theta, _, rank, _ = np.linalg.lstsq(x, y, rcond=None)
-    if rank < x.shape[1]:
+    fit = _least_squares(cols, y)
+    if fit is None:
         return None                   # no change in heat or power to learn the response from
+    theta, inv = fit
     alpha, r_die, g, c = theta
     den = r_die + g
-    if not 0.0 < alpha < 1.0 or den <= 0.0 or len(temp) < SPAN_TIME_CONSTANTS / -np.log(alpha):
+    if not 0.0 < alpha < 1.0 or den <= 0.0 or len(temp) < SPAN_TIME_CONSTANTS / -math.log(alpha):
         return None
-    resid = y - x @ theta
-    cov = float(resid @ resid) / max(1, len(y) - 4) * np.linalg.pinv(x.T @ x)
+    resid = [yi - sum(t * col[i] for t, col in zip(theta, cols)) for i, yi in enumerate(y)]
+    sigma2 = sum(r * r for r in resid) / max(1, len(y) - 4)
     num = (1.0 - alpha) * t_limit_c - c
-    grad = np.array([-t_limit_c / den, -num / den ** 2, -num / den ** 2, -1.0 / den])
-    grad_den = np.array([0.0, 1.0, 1.0, 0.0])
-    if den - Z_ONE_SIDED * float(np.sqrt(grad_den @ cov @ grad_den)) <= 0.0:
+    grad = [-t_limit_c / den, -num / den ** 2, -num / den ** 2, -1.0 / den]
+    if den - Z_ONE_SIDED * math.sqrt(max(0.0, sigma2 * _quad(inv, [0.0, 1.0, 1.0, 0.0]))) <= 0.0:
         return None
-    return float(num / den + Z_ONE_SIDED * np.sqrt(max(0.0, float(grad @ cov @ grad))))
+    return num / den + Z_ONE_SIDED * math.sqrt(max(0.0, sigma2 * _quad(inv, grad)))
 
 
-def _clock_for(temp: np.ndarray, watts: np.ndarray, mhz: np.ndarray, p_lim: float,
-               t_limit_c: float) -> float | None:
+def _clock_for(temp: Vector, watts: Vector, mhz: Vector, p_lim: float, t_limit_c: float
+               ) -> float | None:
     """The clock drawing ``p_lim`` at ``t_limit_c`` on ``P = p0 + p1 T + k f^e``."""
-    ghz = mhz / 1000.0
-    best: tuple[float, float, np.ndarray] | None = None
+    best: tuple[float, float, Vector] | None = None
     for e in EXPONENTS:
-        x = np.column_stack([np.ones(len(temp)), temp, ghz ** e])
-        coef, *_ = np.linalg.lstsq(x, watts, rcond=None)
-        err = float(np.sum((x @ coef - watts) ** 2))
-        if best is None or err < best[0]:
+        cols = [[1.0] * len(temp), temp, [(f / 1000.0) ** e for f in mhz]]
+        fit = _least_squares(cols, watts)
+        if fit is None:
+            continue
+        coef = fit[0]
+        err = sum((w - sum(c * col[i] for c, col in zip(coef, cols))) ** 2
+                  for i, w in enumerate(watts))
+        if best is None or err < best[0] * (1.0 - TIE):
             best = (err, e, coef)
-    assert best is not None
+    if best is None:
+        return None
     _, e, (p0, p1, k) = best
     dynamic = p_lim - p0 - p1 * t_limit_c
     if k <= 0.0 or dynamic <= 0.0:
         return None
     return 1000.0 * float((dynamic / k) ** (1.0 / e))
+
+
+def _least_squares(cols: list[Vector], y: Vector) -> tuple[Vector, list[Vector]] | None:
+    """The coefficients minimising ``|sum(theta_j cols[j]) - y|`` and ``(X'X)^-1``, by
+    modified Gram-Schmidt (X = QR); None where a column is (nearly) a combination of the
+    others. A few columns of a few hundred rows: no array library needed in the pure core."""
+    m = len(cols)
+    q = [list(c) for c in cols]
+    r = [[0.0] * m for _ in range(m)]
+    for j in range(m):
+        norm0 = math.sqrt(sum(v * v for v in cols[j]))
+        for i in range(j):
+            r[i][j] = _dot(q[i], q[j])
+            q[j] = [a - r[i][j] * b for a, b in zip(q[j], q[i])]
+        r[j][j] = math.sqrt(_dot(q[j], q[j]))
+        if r[j][j] <= RANK_TOLERANCE * norm0:
+            return None
+        q[j] = [a / r[j][j] for a in q[j]]
+    rinv = [[0.0] * m for _ in range(m)]           # R^-1, upper triangular
+    for j in range(m):
+        rinv[j][j] = 1.0 / r[j][j]
+        for i in range(j - 1, -1, -1):
+            rinv[i][j] = -sum(r[i][k] * rinv[k][j] for k in range(i + 1, j + 1)) / r[i][i]
+    qty = [_dot(qj, y) for qj in q]
+    theta = [sum(rinv[i][k] * qty[k] for k in range(m)) for i in range(m)]
+    inv = [[sum(rinv[i][k] * rinv[j][k] for k in range(m)) for j in range(m)] for i in range(m)]
+    return theta, inv
+
+
+def _dot(a: Vector, b: Vector) -> float:
+    return sum(x * y for x, y in zip(a, b))
+
+
+def _quad(mat: list[Vector], v: Vector) -> float:
+    """``v' mat v``."""
+    return sum(v[i] * mat[i][j] * v[j] for i in range(len(v)) for j in range(len(v)))
