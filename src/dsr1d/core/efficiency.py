@@ -34,6 +34,12 @@ ceiling more than a bin over the fit's own answer it probes again at that answer
 ``reprobe_s``. A window under the floor is a point like any other and moves the fit back up, and
 the ceiling never again goes at or under a ceiling that broke the floor (until the workload
 changes: new threads, or the bytes per token moving by a quarter; or the reference clock falls).
+When the bytes per token grow by a quarter under an energy cut alone (R1's KV cache), no window
+runs free again to measure the reference: it is carried. At the same cut, the first window's
+seconds per token less the last one's before the change is what the bytes added, and the model
+puts the same seconds on the reference clock (an overlap of memory and compute hides part of
+them at the lower clock, so the carried floor errs on the side of tokens/s). Without it the
+energy path waited for good wherever the cut then stood (docs/mitigation.md has the figures).
 
 What the package sustains is also what it would settle at at its limit, where the limit is
 known: `dsr1d.core.heat` fits the die and the heat sink to every sample of the decode and answers
@@ -333,6 +339,19 @@ class Fit(NamedTuple):
                    self.se_b, self.centre)
 
 
+class _Carry(NamedTuple):
+    """What the energy path knew when the bytes per token grew under its cut."""
+
+    cut: float          # the energy ceiling in force (MHz)
+    r_cut: float        # tokens/s of the last window at it
+    gb: float           # bytes per token of that window
+    ref_rate: float     # what the package sustained, at the floor's reference clock: the
+    #                     windows' mean less two standard errors (tokens/s)
+    ref: float          # that reference clock (MHz)
+    free: float         # the free clock (MHz)
+    fit: Fit
+
+
 def _watts(values: list[float]) -> str:
     return "+".join(f"{v:.0f}" for v in values) + " W"
 
@@ -415,6 +434,7 @@ class EfficiencyController:
         self._probing = False
         self._probed_s: float | None = None
         self._fit: Fit | None = None
+        self._carried: _Carry | None = None       # the floor across a change under our cut
         self._asked_mhz: float | None = None      # a one-bin move the last window asked for
         self._uncore_bad = 0.0                    # an uncore limit that broke the floor
         self._thermal_moved_s = -math.inf         # when the thermal target last moved
@@ -449,10 +469,14 @@ class EfficiencyController:
                                             "ago")
         else:
             self._idle_since = None
-            if self._steady_since is None or o.threads != self._threads or self._new_workload(o):
+            grown = self._steady_since is not None and o.threads == self._threads and \
+                self._new_workload(o)
+            if self._steady_since is None or o.threads != self._threads or grown:
+                carried = self._carry_out() if grown else None
                 self._steady_since, self._threads = o.time_s, o.threads
                 self._window, self._temps = None, []
                 self._forget()
+                self._carried = carried
                 if "uncore_ceiling" in self.active:    # learned for what no longer runs
                     actions = [self._uncore_release(o, "the workload changed")]
             if cfg.enabled and not actions:
@@ -469,6 +493,7 @@ class EfficiencyController:
         self._free_mhz, self._bad_mhz = None, 0.0
         self._sustained.clear()
         self._fit = None
+        self._carried = None
         self._probed_s = None
         self._uncore_bad = 0.0
         self._uncore_done = False
@@ -536,6 +561,8 @@ class EfficiencyController:
         point = self._window.point()
         self._window = None
         self._points.append(point)
+        if self._carried is not None:
+            self._carry_in(point)
         if point.sustained:
             if self._sustained and abs(self._sustained[-1].f - point.f) >= cfg.step_mhz / 2:
                 if point.f < self._sustained[-1].f:
@@ -555,6 +582,42 @@ class EfficiencyController:
                 self._bad_mhz = max(self._bad_mhz, self.params["freq_ceiling"]["mhz"])
                 self._bad_ref = self._ref_mhz
         return True
+
+    def _carry_out(self) -> _Carry | None:
+        """The floor's reference and the fit, where the bytes per token grew under an energy
+        cut of ours: under the cut no window runs free again, and the energy path had waited
+        for one for good (on a growing KV cache, J/token 17 % over the oracle's)."""
+        cut, fit, free = self._energy_mhz, self._fit, self._free_clock()
+        if cut is None or fit is None or free is None or "freq_ceiling" not in self.active:
+            return None
+        at = [pt for pt in self._points
+              if not pt.free and abs(pt.f - cut) < self.config.step_mhz / 2]
+        floor = self._floor(fit, at[-1].gb) if at else None
+        if floor is None:
+            return None
+        return _Carry(cut, at[-1].r, at[-1].gb, floor / (1 - self.config.delta_percent / 100),
+                      self._ref_mhz, free, fit)
+
+    def _carry_in(self, point: Point) -> None:
+        """The first window after the change, at the same cut: the bytes added cost the same
+        seconds per token at every clock (``1/R = a β + b/f``: they move the memory term only),
+        so what the package sustains moved by what the cut's rate moved, in seconds per token.
+        Where compute and memory overlap, a slower clock hides part of the added memory time,
+        so the cut shows less of it than the reference clock would: the carried floor errs
+        high, on the side of tokens/s. A free window, or the cut moved, ends it."""
+        c, self._carried = self._carried, None
+        assert c is not None
+        if point.free or point.sustained or abs(point.f - c.cut) >= self.config.step_mhz / 2:
+            return
+        seconds = 1.0 / c.ref_rate + 1.0 / point.r - 1.0 / c.r_cut
+        if seconds <= 0:
+            return
+        rate = 1.0 / seconds
+        self._sustained.append(point._replace(f=c.ref, r=rate, se=rate * point.se / point.r,
+                                              sustained=True))
+        self._free_mhz = self._free_mhz or c.free
+        k = point.gb / c.gb
+        self._fit = self._fit or Fit(c.fit.a * k, c.fit.b, c.fit.se_b, c.fit.centre / k)
 
     def _uncore_limit(self) -> float:
         return float(self.params.get("uncore_ceiling", {}).get("mhz", 0.0))
