@@ -24,9 +24,10 @@ The power a clock draws at the limit comes from the same blocks: ``P = p0 + p1 T
 proportional voltage). The answer is the clock whose power at ``T_lim`` is ``P_lim``.
 
 A sink whose time constant is long against the data is poorly known (its gain trades against
-the ambient): there is no answer until the data spans one fitted time constant, ``P_lim`` is
-taken ``Z_ONE_SIDED`` standard errors high, so an uncertain sink costs joules, not tokens/s, and
-where the denominator's sign is not certain there is no answer.
+the ambient): there is no answer until the data spans most of one fitted time constant
+(`SPAN_TIME_CONSTANTS`), ``P_lim`` is taken ``Z_ONE_SIDED`` standard errors high, so an uncertain
+sink costs joules, not tokens/s, and where the denominator's sign is not certain there is no
+answer.
 """
 
 from __future__ import annotations
@@ -41,10 +42,13 @@ BLOCK = 10
 MIN_BLOCKS = 12
 # one-sided 90 %: the sustained power is under this bound nine times in ten
 Z_ONE_SIDED = 1.2816
-# no answer until the data spans the sink's own (fitted) time constant: with less, its gain
-# trades against the ambient, and the white-noise standard error above does not show it (on a
-# big sink, 8000 J/K, the answer went from 4180 to 3390 MHz over 20 minutes of one decode)
-SPAN_TIME_CONSTANTS = 1.0
+# no answer until the data spans most of the sink's own (fitted) time constant: with less, its
+# gain trades against the ambient, and the white-noise standard error above does not show it (on
+# a big sink, 8000 J/K, the answer went from 4180 to 3390 MHz over 20 minutes of one decode; with
+# no span at all, tokens/s fell to 0.960x stock on one ensemble plant). Over the bench's 170
+# plants, 1.0 -> 0.7 moved J/token regret at delta 2 % from 2.7 / 16.2 % (median / worst) to
+# 2.3 / 15.5 %, tokens/s unchanged; 0.5 gained nothing more
+SPAN_TIME_CONSTANTS = 0.7
 # the power curve's exponent: dynamic power ~ f V(f)^2 between V flat (1) and V ~ f (3), and
 # beyond either side for the curvature leakage adds; the middle first, as it is the one kept
 # where the clocks seen do not tell them apart (two clocks: every curve passes through both)
