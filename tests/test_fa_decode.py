@@ -1,6 +1,7 @@
 """dsr1d's flash-attention decode (tools/llama-patches/fa-decode-gqa.patch) answers as llama.cpp's.
 
-One token attending to 512 or more cached rows with flash attention on takes dsr1d's grouped path:
+One token attending to 512 or more cached rows (F16 or Q8_0) with flash attention on takes dsr1d's
+grouped path:
 the query heads of one KV head read each K and V row together, a block at a time, with F32
 accumulators. ``DSR1D_FA_DECODE=0`` leaves it to llama.cpp's per-head loop (F16 accumulators).
 Rounding moves logits through a quantized model's layers (llama.cpp's two attention paths, with
@@ -9,7 +10,8 @@ held to the path without flash attention (F32 softmax and products): dsr1d's may
 more than llama.cpp's own flash-attention decode does. Checked on SmolLM2-135M-Instruct (3 query
 heads per KV head) reading a shipped text, and on a random model of R1's vocabulary (2 per KV
 head): a prompt of 600 tokens in one batch, then 24 tokens one at a time, each position's logits
-kept.
+kept; SmolLM2 with a Q8_0 cache too (held to the same F16 reference: both flash-attention decodes
+carry the cache's rounding).
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ import llama_cpp
 path, text, out = sys.argv[1], sys.argv[2], sys.argv[5]
 n_prompt, n_decoded = int(sys.argv[3]), int(sys.argv[4])
 llm = llama_cpp.Llama(model_path=path, n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=2,
-                      flash_attn=sys.argv[6] == "on", logits_all=True, verbose=False)
+                      flash_attn=sys.argv[6] == "on", logits_all=True, verbose=False,
+                      type_k=llama_cpp.GGML_TYPE_Q8_0 if sys.argv[7] == "q8_0" else llama_cpp.GGML_TYPE_F16,
+                      type_v=llama_cpp.GGML_TYPE_Q8_0 if sys.argv[7] == "q8_0" else llama_cpp.GGML_TYPE_F16)
 ids = llm.tokenize(open(text, encoding="utf-8").read().encode(), add_bos=True)
 assert len(ids) >= n_prompt + n_decoded, len(ids)
 llm.eval(ids[:n_prompt])
@@ -50,13 +54,14 @@ np.save(out + ".ids", np.array(ids[n_prompt + 1:n_prompt + n_decoded + 1]))
 """
 
 
-def _logits(path: Path, tmp: Path, decode: str) -> tuple[np.ndarray, np.ndarray]:
+def _logits(path: Path, tmp: Path, decode: str, kv: str = "f16") -> tuple[np.ndarray, np.ndarray]:
     """The decoded positions' logits and the text's next tokens; decode is "grouped" (dsr1d's),
-    "per-head" (llama.cpp's flash attention) or "no-fa" (llama.cpp without flash attention)."""
-    out = tmp / f"{path.stem}-{decode}.npy"
+    "per-head" (llama.cpp's flash attention) or "no-fa" (llama.cpp without flash attention), kv
+    the cache's type."""
+    out = tmp / f"{path.stem}-{decode}-{kv}.npy"
     env = dict(os.environ, DSR1D_FA_DECODE="0" if decode == "per-head" else "1")
     proc = subprocess.run([sys.executable, "-c", EVAL, str(path), str(CORPUS), str(PROMPT),
-                           str(DECODED), str(out), "off" if decode == "no-fa" else "on"],
+                           str(DECODED), str(out), "off" if decode == "no-fa" else "on", kv],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return np.load(out), np.load(str(out) + ".ids.npy")
@@ -80,9 +85,11 @@ def random_r1(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _decodes(path: Path, tmp: Path) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Each decode's logits, and the text's next tokens."""
-    runs = {decode: _logits(path, tmp, decode) for decode in ("grouped", "per-head", "no-fa")}
+def _decodes(path: Path, tmp: Path, kv: str = "f16") -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Each decode's logits (the flash-attention ones with a kv cache; the reference F16), and
+    the text's next tokens."""
+    runs = {decode: _logits(path, tmp, decode, kv) for decode in ("grouped", "per-head")}
+    runs["no-fa"] = _logits(path, tmp, "no-fa")
     return {decode: run[0] for decode, run in runs.items()}, runs["no-fa"][1]
 
 
@@ -105,6 +112,14 @@ def test_smollm2_reads_a_long_text_as_llama_cpps_decode_does(smollm2: Path,  # n
     nll = {decode: float(_nll(rows, ids).mean()) for decode, rows in logits.items()}
     # the text is English the model reads well (2.96 nats a token): broken attention reads noise
     assert nll["grouped"] < 4.0, nll
+    assert abs(nll["grouped"] - nll["no-fa"]) < 0.02 * nll["no-fa"], nll
+
+
+def test_smollm2_with_a_q8_0_cache_reads_as_llama_cpps_decode_does(smollm2: Path,  # noqa: F811
+                                                                    tmp_path: Path) -> None:
+    logits, ids = _decodes(smollm2, tmp_path, kv="q8_0")
+    _assert_no_farther_than_llama_cpps(logits)
+    nll = {decode: float(_nll(rows, ids).mean()) for decode, rows in logits.items()}
     assert abs(nll["grouped"] - nll["no-fa"]) < 0.02 * nll["no-fa"], nll
 
 
