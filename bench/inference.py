@@ -118,35 +118,40 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def daemon_flash_attn(binary: Path, files: dict[str, Path], threads: int) -> dict[str, str]:
-    """Per file, flash attention on or off as the daemon chooses it with its default
-    ``engine_flash_attn = auto``: measured once per file, build, threads and CPU by the daemon's
-    own calibration, and kept in ``CALIBRATION`` as the daemon keeps it in its cache."""
+def daemon_attention(binary: Path, files: dict[str, Path],
+                     threads: int) -> dict[str, tuple[str, str]]:
+    """Per file, flash attention and the KV cache's type as the daemon chooses them with its
+    defaults (``engine_flash_attn = auto``, ``engine_kv_type = auto``): measured once per file,
+    build, threads and CPU by the daemon's own calibration, and kept in ``CALIBRATION`` as the
+    daemon keeps it in its cache."""
     from dsr1d.edges import engine_calibrate, engine_command
 
     CALIBRATION.mkdir(parents=True, exist_ok=True)
+    measured = engine_calibrate.candidates("auto", "auto")
     choice = {}
     with tempfile.TemporaryDirectory() as tmp:
         for ftype, gguf in files.items():
             spec = engine_command.ServerSpec(gguf, Path(tmp) / "llama.sock", threads,
                                              engine_calibrate.DEPTH + 64,
                                              cpus=placed_cpus(threads))
-            mode, why = asyncio.run(engine_calibrate.flash_attention(spec, binary, CALIBRATION))
-            print(f"dsr1d {ftype}: flash attention {mode or 'auto'}: {why}", file=sys.stderr,
+            pick, why = asyncio.run(engine_calibrate.attention(spec, binary, CALIBRATION,
+                                                               measured))
+            print(f"dsr1d {ftype}: {engine_calibrate.label(pick)}: {why}", file=sys.stderr,
                   flush=True)
-            choice[ftype] = mode
+            choice[ftype] = pick
     return choice
 
 
 def command(row: str, binary: Path, gguf: Path, threads: int, context: int,
-            tmp: Path, flash_attn: str = "") -> tuple[list[str], dict[str, str], httpx.Client]:
+            tmp: Path, attention: tuple[str, str] = ("", "f16"),
+            ) -> tuple[list[str], dict[str, str], httpx.Client]:
     """The row's command line, environment and a client for it."""
     from dsr1d.edges import engine_command
 
     if row == "dsr1d":
         sock = tmp / "llama.sock"
         spec = engine_command.ServerSpec(gguf, sock, threads, context, cpus=placed_cpus(threads),
-                                         flash_attn=flash_attn)
+                                         flash_attn=attention[0], kv_type=attention[1])
         return ([str(binary), *engine_command.arguments(spec)], engine_command.environment(),
                 unix_client(sock))
     if row == "release":
@@ -174,9 +179,9 @@ def placed_cpus(threads: int) -> list[int]:
 
 
 def start(row: str, binary: Path, gguf: Path, threads: int, context: int, tmp: Path,
-          flash_attn: str = "") -> Server:
+          attention: tuple[str, str] = ("", "f16")) -> Server:
     """Start the row's server and wait until it answers; raises with its log's end if it dies."""
-    argv, env, client = command(row, binary, gguf, threads, context, tmp, flash_attn)
+    argv, env, client = command(row, binary, gguf, threads, context, tmp, attention)
     log = tmp / "server.log"
     with log.open("wb") as out:
         # in the row's own folder: ik's server writes a llama.log into its working directory
@@ -260,7 +265,7 @@ Samples = dict[str, dict[str, dict[str, dict[int, float]]]]
 
 
 def run(args: argparse.Namespace, files: dict[str, Path], bins: dict[str, Path],
-        depths: list[int], flash_attn: dict[str, str]
+        depths: list[int], attention: dict[str, tuple[str, str]]
         ) -> tuple[Samples, dict[str, dict[int, float]]]:
     """samples[type][row][metric][round], and bandwidth[type][round] probed just before that
     file's round; a row that fails on a file is reported and has no sample for that round."""
@@ -276,7 +281,7 @@ def run(args: argparse.Namespace, files: dict[str, Path], bins: dict[str, Path],
                 with tempfile.TemporaryDirectory() as tmp:
                     try:
                         server = start(row, bins[row], gguf, args.threads, context, Path(tmp),
-                                       flash_attn.get(ftype, ""))
+                                       attention.get(ftype, ("", "f16")))
                     except RuntimeError as exc:
                         print(f"{ftype} {row}: did not start: {exc}", file=sys.stderr)
                         continue
@@ -415,8 +420,8 @@ def main() -> None:
     bins = binaries(rows)
     files = ensure_files(args.preset, types)
     print(cpu_line())
-    flash_attn = daemon_flash_attn(bins["dsr1d"], files, args.threads) if "dsr1d" in bins else {}
-    samples, bandwidth = run(args, files, bins, depths, flash_attn)
+    attention = daemon_attention(bins["dsr1d"], files, args.threads) if "dsr1d" in bins else {}
+    samples, bandwidth = run(args, files, bins, depths, attention)
     probes = sorted(b / 1e9 for per_file in bandwidth.values() for b in per_file.values())
     band = (f"memory read bandwidth {statistics.median(probes):.1f} GB/s (median of "
             f"{len(probes)} probes, {probes[0]:.1f}–{probes[-1]:.1f})")

@@ -237,9 +237,10 @@ def daemon_config(path: Path, model: Path | None, backend: str = "llamacpp",
         lines += [f"model = {model}", "engine_dtype = auto", "engine_threads = 2",
                   "engine_profile = throughput", f"engine_backend = {backend}",
                   f"engine_cache_dir = {path.parent / 'cache'}", *extra]
-        if not any(line.startswith("engine_flash_attn") for line in extra):
-            # measuring it costs four server starts; tests/test_engine_calibrate.py does
-            lines.insert(lines.index(extra[0]) if extra else len(lines), "engine_flash_attn = on")
+        for key, value in (("engine_flash_attn", "on"), ("engine_kv_type", "f16")):
+            if not any(line.startswith(key) for line in extra):
+                # measuring them costs six server starts; tests/test_engine_calibrate.py does
+                lines.insert(lines.index(extra[0]) if extra else len(lines), f"{key} = {value}")
     path.write_text("\n".join(lines) + "\n")
     return path
 

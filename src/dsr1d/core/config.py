@@ -91,10 +91,13 @@ DAEMON_SCHEMA: Schema = {
     "engine_ping_timeout_s": option(_positive_float, "an engine that answers no health "
                                     "check for this long is killed and restarted", "s"),
     "engine_flash_attn": option(choice("auto", "on", "off"), "llama.cpp's flash attention "
-                                "(auto: measured both ways once per model, build and machine, "
-                                "the faster kept; the engine log says which and why)", "name"),
-    "engine_kv_type": option(choice("f16", "q8_0"), "the KV cache's type: q8_0 halves its "
-                             "memory (long reasoning in less RAM) and costs decode speed", "name"),
+                                "(auto: measured each way with the KV cache's types once per "
+                                "model, build and machine, the fastest kept; the engine log says "
+                                "which and why)", "name"),
+    "engine_kv_type": option(choice("auto", "f16", "q8_0"), "the KV cache's type: q8_0 halves "
+                             "its memory (long reasoning in less RAM) and rounds it; auto: "
+                             "measured with engine_flash_attn, q8_0 kept only if faster",
+                             "name"),
     "draft_model": option(_draft, "speculative decoding: a smaller model with the same "
                           "tokenizer (a .gguf file or a Hugging Face directory, e.g. "
                           "R1-Distill-Qwen-1.5B for the 7B-32B), or `ngram` to draft from the "
@@ -164,7 +167,7 @@ class Config:
     engine_server: str = ""
     engine_embeddings: bool = False
     engine_flash_attn: str = "auto"
-    engine_kv_type: str = "f16"
+    engine_kv_type: str = "auto"
     draft_model: str = ""
     draft_max: int = 0
     aliases: list[str] = field(default_factory=list)

@@ -181,7 +181,7 @@ class EngineHost:
                  ping_timeout_s: float = PING_TIMEOUT_S, parallel: int = 1,
                  server: str = "", aliases: tuple[str, ...] = (),
                  embeddings: bool = False, draft: str = "", draft_max: int = 0,
-                 flash_attn: str = "auto", kv_type: str = "f16") -> None:
+                 flash_attn: str = "auto", kv_type: str = "auto") -> None:
         self.model = model
         self.flash_attn = flash_attn
         self.kv_type = kv_type
@@ -363,19 +363,26 @@ class EngineHost:
 
     async def _with_attention(self, spec: engine_command.ServerSpec,
                               binary: Path) -> engine_command.ServerSpec:
-        """``spec`` with flash attention configured, or measured (``auto``), and said why."""
-        if self.flash_attn != "auto":
-            mode, why = self.flash_attn, "engine_flash_attn"
+        """``spec`` with flash attention and the KV cache's type as configured, or measured
+        where ``auto`` (`engine_calibrate`), and said why."""
+        measured = engine_calibrate.candidates(self.flash_attn, self.kv_type)
+        if len(measured) == 1:
+            (fa, kv), why = measured[0], "engine_flash_attn and engine_kv_type"
         else:
             try:
-                mode, why = await engine_calibrate.flash_attention(spec, binary, self.cache_dir)
+                (fa, kv), why = await engine_calibrate.attention(spec, binary, self.cache_dir,
+                                                                 measured)
             except (OSError, KeyError, ValueError, aiohttp.ClientError) as exc:
-                mode, why = "", f"llama-server's auto: measuring failed ({exc})"
-        log.info("engine: flash attention %s: %s; KV cache %s", mode or "auto", why,
-                 self.kv_type if mode != "off" or self.kv_type == "f16"
-                 else f"K {self.kv_type}, V f16 (no quantised V without flash attention)")
-        self.info["flash_attn"] = mode or "auto"
-        return dataclasses.replace(spec, flash_attn=mode)
+                fa = "" if self.flash_attn == "auto" else self.flash_attn
+                kv = "f16" if self.kv_type == "auto" else self.kv_type
+                why = f"measuring failed ({exc}); llama-server's own choice, or as configured"
+        chosen = dataclasses.replace(spec, flash_attn=fa, kv_type=kv)
+        k, v = engine_command.kv_types(chosen)
+        cache = kv if k == v else f"K {k}, V {v} (no quantised V without flash attention)"
+        log.info("engine: flash attention %s, KV cache %s: %s", fa or "auto", cache, why)
+        self.info["flash_attn"] = fa or "auto"
+        self.info["kv_type"] = kv
+        return chosen
 
     async def _prepare(self) -> messages.Prepared:
         """The served model, prepared; what it is goes into ``info``."""
