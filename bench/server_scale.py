@@ -25,13 +25,21 @@ users run it on CPU. On an AMX CPU a fourth column, ``dsr1d all``, runs dsr1d's 
 round, as in ``bench/inference.py`` (whose summary and table this shares); a binary that cannot
 run on the CPU (an instruction it lacks) is reported and left out. It never fails: it reports.
 
+With ``--depth N`` every row prefills and decodes after N tokens of context (``-d N``), where
+R1's reasoning is: the peers with their defaults, dsr1d's build with flash attention on and a
+q8_0 KV cache (``--dsr1d-attention``; what the daemon's calibration chose for the files measured
+on the 2-core AMX VM, docs/engine.md), into the block ``server-scale-depth``. ik_llama.cpp's
+llama-bench has no ``-d``: its ``-gp N,TOKENS`` times the decode alone, so its prompt at depth is
+not measured.
+
 A kit built with ``DSR1D_KIT_ARCH=x86-64-v3`` (AVX2, FMA and F16C, no AVX-512) measures what an
 AVX2-only CPU (AMD Zen 2 and 3, Intel before Skylake-SP) gets from each: dsr1d's AVX2 kernels, the
 release's and ik's AVX2 paths. It runs on any x86 machine, this one included, has no ``dsr1d all``
 column, and writes the block ``server-scale-avx2``.
 
     python3 bench/server_scale.py [--kit .kit] [--preset 7b] [--types Q4_0,Q8_0,Q4_K_M]
-        [--threads N] [--rounds 2] [--prompt 128] [--tokens 64] [--reps 2] [--write PAGE]
+        [--threads N] [--rounds 2] [--prompt 128] [--tokens 64] [--reps 2] [--depth N]
+        [--dsr1d-attention on,q8_0] [--write PAGE]
 """
 
 from __future__ import annotations
@@ -105,12 +113,21 @@ def bench(row: str, binary: Path, gguf: Path, args: argparse.Namespace) -> dict[
     """One llama-bench run: prompt and decode tok/s (mean of its repetitions)."""
     command = [str(binary), "-m", str(gguf), "-t", str(args.threads), "-p", str(args.prompt),
                "-n", str(args.tokens), "-r", str(args.reps), "-o", "json"]
+    if args.depth and row == "ik -rtr":
+        # ik's llama-bench has no -d; -gp PP,TG times TG tokens after PP (decode only)
+        command[command.index("-p") + 1] = command[command.index("-n") + 1] = "0"
+        command += ["-gp", f"{args.depth},{args.tokens}"]
+    elif args.depth:
+        command += ["-d", str(args.depth)]
     env = dict(os.environ)
     if row == "ik -rtr":
         command += ["-rtr", "1"]      # its run-time repack, as its users run it on CPU
     if row.startswith("dsr1d"):
         mask = cpu_mask(inference.placed_cpus(args.threads)[:args.threads])
         command += ["-lm", "none", "-C", mask, "--cpu-strict", "1"]
+        if args.depth:
+            flash, kv = args.dsr1d_attention.split(",")
+            command += ["-fa", flash, "-ctk", kv, "-ctv", kv if flash == "on" else "f16"]
         env = environment(env)
     if row == "dsr1d all":
         env["DSR1D_KQUANTS"] = "all"
@@ -119,7 +136,7 @@ def bench(row: str, binary: Path, gguf: Path, args: argparse.Namespace) -> dict[
         raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-500:]}")
     figures = {}
     for test in json.loads(proc.stdout):
-        metric = "prompt" if test["n_gen"] == 0 else "decode@0"
+        metric = "prompt" if test["n_gen"] == 0 else f"decode@{args.depth}"
         figures[metric] = float(test["avg_ts"])
     return figures
 
@@ -158,6 +175,10 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--depth", type=int, default=0,
+                        help="tokens of context before the prompt and the decode (llama-bench -d)")
+    parser.add_argument("--dsr1d-attention", default="on,q8_0",
+                        help="flash attention and KV cache type of dsr1d's rows with --depth")
     add_write_option(parser)
     args = parser.parse_args()
     start = time.monotonic()
@@ -171,8 +192,10 @@ def main() -> None:
         samples, bandwidth = run(args, files, bins)
     records = inference.summarize(samples, files, bandwidth)
     probes = sorted(b / 1e9 for per_file in bandwidth.values() for b in per_file.values())
+    deep = (f" -d {args.depth} (dsr1d: flash attention {args.dsr1d_attention.replace(',', ', KV ')})"
+            if args.depth else "")
     head = (f"{args.threads} threads, {args.preset} shape, llama-bench -p {args.prompt} -n "
-            f"{args.tokens} -r {args.reps}, {args.rounds} interleaved rounds; memory read bandwidth "
+            f"{args.tokens} -r {args.reps}{deep}, {args.rounds} interleaved rounds; memory read bandwidth "
             f"{probes[len(probes) // 2]:.1f} GB/s (median of {len(probes)} probes, "
             f"{probes[0]:.1f}–{probes[-1]:.1f}); kit built for {kit_arch(args.kit)}")
     text = inference.table(records, list(bins))
@@ -181,6 +204,7 @@ def main() -> None:
     print(json.dumps(records))
     print(f"{time.monotonic() - start:.0f} s in all", file=sys.stderr)
     block = "server-scale-avx2" if avx2_kit(args.kit) else "server-scale"
+    block += "-depth" if args.depth else ""
     write(args.write, block, f"{inference.cpu_line()}\n\n{head}:\n\n{text}")
 
 
