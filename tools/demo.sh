@@ -91,8 +91,9 @@ step busctl --system call org.dsr1d /org/dsr1d/engine org.dsr1d.Engine1 Generate
 # R1's shape, from dsr1d's own writer: the template ends the prompt with <think>, so llama-server
 # returns what comes before </think> as reasoning_content and the rest as content.
 step "$BIN/dsr1d" model synth --preset tiny --gguf bf16 "$WORK/r1"
-# flash attention set, not measured: nothing of this throwaway file left in the machine's cache
-sed -i -e "s|^model = .*|model = $WORK/r1/model-bf16.gguf\nengine_flash_attn = off|" \
+# flash attention and the KV cache set, not measured: nothing of this throwaway file left in the
+# machine's cache
+sed -i -e "s|^model = .*|model = $WORK/r1/model-bf16.gguf\nengine_flash_attn = off\nengine_kv_type = f16|" \
     -e 's/^aliases = .*/aliases = r1/' "$WORK/dsr1d.conf"
 step "$BIN/dsr1ctl" reload   # model = changed: the engine restarts on the new file
 serving model-bf16
