@@ -63,7 +63,7 @@ ROWS = ("release", "ik -rtr", "dsr1d")
 TYPES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS", "Q4_0", "BF16")
 DECODE_TARGET_TYPES = ("Q4_K_M", "Q8_0", "Q4_0")
 # docs/benchmarks.md's tables without AMX and with it; docs/engine.md's deep in a context
-BLOCKS = ("inference", "inference-amx", "inference-depth")
+BLOCKS = ("inference", "inference-amx", "inference-depth", "inference-16k")
 
 
 @dataclass
@@ -408,7 +408,7 @@ def main() -> None:
     parser.add_argument("--block", choices=BLOCKS, default=None,
                         help="the block --write replaces (default: inference-amx on a CPU with "
                              "AMX, whose tiles keep some types, else inference; "
-                             "inference-depth is docs/engine.md's)")
+                             "inference-depth and inference-16k are docs/engine.md's)")
     args = parser.parse_args()
     types = [t for t in args.types.split(",") if t]
     unknown = [t for t in types if t not in random_gguf.FILE_TYPES]
