@@ -251,6 +251,8 @@ def test_metrics_count_tokens_and_hold_no_request_text(client, sock: Path) -> No
     assert "llamacpp:tokens_predicted_total" in values      # llama-server's own series
     assert 'dsr1d_engine_state_info{state="ready"}' in values or \
         'dsr1d_engine_state_info{state="busy"}' in values
+    # what the engine runs, as the fixture pins it
+    assert 'dsr1d_engine_info{flash_attn="on",kv_type="f16",speculative="off"}' in values
 
 
 def test_tcp_takes_only_requests_with_a_key(smollm2: Path, tmp_path: Path) -> None:

@@ -15,7 +15,8 @@ Counters: ``dsr1d_tokens_total`` and ``dsr1d_prompt_tokens_total`` (everything t
 decoded and read, API and D-Bus alike, from llama-server's own counters),
 ``dsr1d_api_prompt_tokens_total`` / ``dsr1d_api_completion_tokens_total`` (the usage of API
 requests), ``dsr1d_energy_joules_total`` (package energy while the engine decodes),
-``dsr1d_engine_restarts_total``; ``dsr1d_engine_state_info{state}`` and ``dsr1d_build_info``.
+``dsr1d_engine_restarts_total``; ``dsr1d_engine_state_info{state}``, ``dsr1d_build_info`` and
+``dsr1d_engine_info{flash_attn,kv_type,speculative}`` (once the engine has started).
 llama-server's own series (``llamacpp:…``) follow on the API's ``/metrics``. Nothing of a
 request's text is ever a label.
 """
@@ -103,6 +104,13 @@ def _engine_families(s: dict[str, Any]) -> Iterator[Any]:
                               labels=["version", "engine_build"])
     build.add_metric([str(s.get("version", "")), str(s.get("engine_build", ""))], 1)
     yield build
+    config = s.get("engine_config") or {}
+    if config:
+        info = GaugeMetricFamily("dsr1d_engine_info", "how the engine runs: flash attention and "
+                                 "the KV cache's type (as measured or configured), speculative "
+                                 "decoding", labels=list(config))
+        info.add_metric([str(v) for v in config.values()], 1)
+        yield info
 
 
 def _gauge(name: str, help: str, value: float) -> GaugeMetricFamily:

@@ -39,6 +39,7 @@ from dsr1d.edges.notify import (notify, release_spares, reserve, setup_logging,
                                 watchdog_interval_s)
 from dsr1d.edges.ratelog import Tally
 
+ENGINE_CONFIG = ("flash_attn", "kv_type", "speculative")   # dsr1d_engine_info's labels
 ENGINE_HOLDER = "dsr1d-engine"  # owner of the engine's hold (not a bus name: never "leaves")
 EXIT_CONFIG = 78  # EX_CONFIG: the unit does not restart on it (RestartPreventExitStatus)
 log = logging.getLogger("dsr1d")
@@ -260,7 +261,9 @@ class Daemon:
                 "energy_joules_total": self.energy_j,
                 "engine_restarts": engine.restarts if engine else 0,
                 "engine_state": engine.state if engine else "unconfigured",
-                "engine_build": engine.info.get("build", "") if engine else ""}
+                "engine_build": engine.info.get("build", "") if engine else "",
+                "engine_config": {k: str(engine.info.get(k, "")) for k in ENGINE_CONFIG}
+                if engine and "kv_type" in engine.info else {}}
 
     def telemetry(self) -> dict:
         """GetTelemetry: the latest sample (taken now if the sampler has not run yet)."""
