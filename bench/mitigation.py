@@ -421,20 +421,26 @@ LONG_SECONDS = 1800.0                   # a decode as long as R1's reasoning run
 
 def arrival_cost(drawn: list[dict], n: int, seed: int, elasticity: tuple[float, float],
                  seconds: float, pool: ProcessPoolExecutor
-                 ) -> dict[float, tuple[float, float, int]]:
-    """Over the first plants of the ensemble of ``n`` measured in ``drawn`` (`measure`'s results,
-    their oracle runs included, in the ensemble's order) whose stock throttles: (median, worst,
-    plants) of the oracle's own J/token regret when its ceiling arrives at each of `ARRIVALS_S`:
-    what any controller pays that must first see the heat before it knows the answer."""
-    jobs = [(i, n, seed, elasticity, seconds, m["runs"]) for i, m in enumerate(drawn)]
-    got = [r for r in pool.map(_late_one, jobs) if r is not None]
-    return {at: (statistics.median(col), max(col), len(col))
-            for at, col in zip(ARRIVALS_S, zip(*got))} if got else {}
+                 ) -> dict[float, dict[float, tuple[float, float, int]]]:
+    """Per δ of `DELTAS`, over the first plants of the ensemble of ``n`` measured in ``drawn``
+    (`measure`'s results, their oracle runs included, in the ensemble's order) whose stock
+    throttles and whose oracle at that δ is a ceiling: (median, worst, plants) of the oracle's own
+    J/token regret when its ceiling arrives at each of `ARRIVALS_S`: what any controller pays that
+    must first see the heat before it knows the answer."""
+    jobs = [(i, n, seed, elasticity, seconds, m["runs"], d)
+            for d in DELTAS for i, m in enumerate(drawn)]
+    got: dict[float, list[list[float]]] = {d: [] for d in DELTAS}
+    for d, r in zip((j[-1] for j in jobs), pool.map(_late_one, jobs)):
+        if r is not None:
+            got[d].append(r)
+    return {d: {at: (statistics.median(col), max(col), len(col))
+                for at, col in zip(ARRIVALS_S, zip(*rows))} for d, rows in got.items() if rows}
 
 
-def _late_one(job: tuple[int, int, int, tuple[float, float], float, dict]) -> list[float] | None:
-    index, n, seed, elasticity, seconds, runs = job
-    name, best = best_fixed(runs, 2.0)
+def _late_one(job: tuple[int, int, int, tuple[float, float], float, dict, float]
+              ) -> list[float] | None:
+    index, n, seed, elasticity, seconds, runs, delta = job
+    name, best = best_fixed(runs, delta)
     if runs["stock"]["first_thermal_event_s"] is None or not name.startswith("ceiling:"):
         return None
     sc = ensemble(n, seed, elasticity)[index]
@@ -458,7 +464,7 @@ def measure_groups(args: argparse.Namespace, elasticity: tuple[float, float],
     return {g: ms for g, ms in out.items() if ms}
 
 
-def heat_up_text(long_runs: list[dict], late: dict[float, tuple[float, float, int]],
+def heat_up_text(long_runs: list[dict], late: dict[float, dict[float, tuple[float, float, int]]],
                  primary: str, args: argparse.Namespace) -> str:
     """The share of the regret that is the heat-up: the same ensemble plants over a longer
     decode, and what the oracle itself pays when its ceiling arrives late."""
@@ -475,16 +481,20 @@ def heat_up_text(long_runs: list[dict], late: dict[float, tuple[float, float, in
     table = markdown_table(("δ", "n", "tok/s ÷ stock: median / worst",
                             "J/token ÷ stock, median: dsr1d / oracle",
                             "J/token regret: median / worst", "actions/h"), rows)
-    arrivals = "; ".join(f"at {at:g} s {_pct(med)} median, {_pct(worst)} worst"
-                         for at, (med, worst, _) in late.items())
-    hot = next(iter(late.values()))[2] if late else 0
+    late_rows = [[f"{d:g} % ({PROFILE[d]})", str(next(iter(per.values()))[2])] +
+                 [f"{_pct(med)} / {_pct(worst)}" for med, worst, _ in per.values()]
+                 for d, per in late.items()]
+    late_table = markdown_table(("δ", "plants", *(f"regret at {at:g} s: median / worst"
+                                                  for at in ARRIVALS_S)), late_rows)
     return (f"The heat-up's share. The first {len(long_runs)} plants of the ensemble over "
             f"{LONG_SECONDS / 60:g} minutes instead of {args.seconds / 60:g} ({primary} "
             f"sensors), against the oracle over the same {LONG_SECONDS / 60:g} minutes:\n\n"
-            f"{table}\n\nThe oracle's own ceiling (δ = 2 %) set late instead of from the start, "
-            f"its J/token regret over {args.seconds / 60:g} minutes on the {hot} of those plants "
-            f"whose stock throttles: {arrivals or 'none'}. A controller has to see the heat "
-            "before it knows that stock would throttle; these plants show it only after minutes.")
+            f"{table}\n\nThe oracle's own ceiling set late instead of from the start (stock "
+            f"before it), its J/token regret over {args.seconds / 60:g} minutes against itself "
+            f"from the start, on those of the {len(long_runs)} plants whose stock throttles and "
+            f"whose oracle at that δ is a ceiling:\n\n{late_table if late_rows else 'none'}\n\n"
+            "A controller has to see the heat before it knows that stock would throttle; these "
+            "plants show it only after minutes.")
 
 
 def main() -> None:
@@ -600,7 +610,8 @@ def main() -> None:
     print(heat)
     result["long"] = {f"{k} delta {d:g}": group_figures(long_runs, k, d)
                       for k in sensors for d in DELTAS} if long_runs else {}
-    result["arrival_cost"] = {f"{at:g} s": v for at, v in late.items()}
+    result["arrival_cost"] = {f"delta {d:g}": {f"{at:g} s": v for at, v in per.items()}
+                              for d, per in late.items()}
     write(args.write, "mitigation", f"{intro}\n\n" + "\n\n".join(
         f"δ = {d:g} % (`{PROFILE[d]}`):\n\n{tables[d]}" for d in DELTAS) +
         f"\n\nTargets ({primary} sensors, overall):\n\n" + "\n".join(f"- {line}" for line in lines)
