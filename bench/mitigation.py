@@ -497,6 +497,31 @@ def heat_up_text(long_runs: list[dict], late: dict[float, dict[float, tuple[floa
             "plants show it only after minutes.")
 
 
+WORST = 6                               # plants in the worst-regret table
+
+
+def worst_text(everything: list[dict], primary: str) -> str:
+    """The plants with the largest J/token regret at each δ, and where dsr1d's tokens/s stands
+    against stock and the fastest fixed ceiling: a regret bought with tokens/s the oracle gave up
+    reads differently from one that loses both."""
+    rows = []
+    for d in DELTAS:
+        ranked = sorted(everything, key=lambda m: -(m[primary, d]["energy_vs_oracle"] or 0))
+        for m in ranked[:WORST]:
+            r = m[primary, d]
+            fastest = max(f["tokens_per_s"] for f in m["runs"].values())
+            ours = r["dsr1d"]["tokens_per_s"]
+            rows.append([f"{d:g} %", m["plant"], _pct(r["energy_vs_oracle"] - 1),
+                         f"{r['tokens_ratio']:.3f}", f"{ours / fastest:.3f}",
+                         f"{r['oracle']['tokens_per_s'] / fastest:.3f}"])
+    table = markdown_table(("δ", "plant", "J/token regret", "dsr1d tok/s ÷ stock",
+                            "dsr1d tok/s ÷ the fastest fixed ceiling",
+                            "oracle tok/s ÷ the fastest fixed ceiling"), rows)
+    return (f"The {WORST} largest regrets at each δ ({primary} sensors, every plant above), with "
+            f"dsr1d's tokens/s against stock and against the fastest fixed ceiling (the oracle "
+            f"gives up to δ of the latter):\n\n{table}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=600.0)
@@ -608,6 +633,8 @@ def main() -> None:
     print()
     heat = heat_up_text(long_runs, late, primary, args)
     print(heat)
+    worst = worst_text(everything, primary)
+    print(f"\n{worst}")
     result["long"] = {f"{k} delta {d:g}": group_figures(long_runs, k, d)
                       for k in sensors for d in DELTAS} if long_runs else {}
     result["arrival_cost"] = {f"delta {d:g}": {f"{at:g} s": v for at, v in per.items()}
@@ -615,7 +642,7 @@ def main() -> None:
     write(args.write, "mitigation", f"{intro}\n\n" + "\n\n".join(
         f"δ = {d:g} % (`{PROFILE[d]}`):\n\n{tables[d]}" for d in DELTAS) +
         f"\n\nTargets ({primary} sensors, overall):\n\n" + "\n".join(f"- {line}" for line in lines)
-        + (f"\n\n{heat}" if heat else ""))
+        + f"\n\n{worst}" + (f"\n\n{heat}" if heat else ""))
 
     if args.daemon_seconds > 0:
         sampling = daemon_cpu_share(args.daemon_seconds, 1.0)
