@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import inference  # noqa: E402
 from results import add_write_option, write  # noqa: E402
 
-from dsr1d.edges.engine_command import cpu_mask, environment  # noqa: E402
+from dsr1d.edges.engine_command import cache_types, cpu_mask, environment  # noqa: E402
 
 ROWS = ("release", "ik -rtr", "dsr1d", "dsr1d all")
 KIT_NAMES = {"release": "release", "ik -rtr": "ik", "dsr1d": "dsr1d"}
@@ -127,7 +127,8 @@ def bench(row: str, binary: Path, gguf: Path, args: argparse.Namespace) -> dict[
         command += ["-lm", "none", "-C", mask, "--cpu-strict", "1"]
         if args.depth:
             flash, kv = args.dsr1d_attention.split(",")
-            command += ["-fa", flash, "-ctk", kv, "-ctv", kv if flash == "on" else "f16"]
+            k, v = cache_types(flash, kv)
+            command += ["-fa", flash, "-ctk", k, "-ctv", v]
         env = environment(env)
     if row == "dsr1d all":
         env["DSR1D_KQUANTS"] = "all"
@@ -192,11 +193,11 @@ def main() -> None:
         samples, bandwidth = run(args, files, bins)
     records = inference.summarize(samples, files, bandwidth)
     probes = sorted(b / 1e9 for per_file in bandwidth.values() for b in per_file.values())
-    deep = (f" -d {args.depth} (dsr1d: flash attention {args.dsr1d_attention.replace(',', ', KV ')})"
-            if args.depth else "")
+    attention = args.dsr1d_attention.replace(",", ", KV ")
+    deep = f" -d {args.depth} (dsr1d: flash attention {attention})" if args.depth else ""
     head = (f"{args.threads} threads, {args.preset} shape, llama-bench -p {args.prompt} -n "
-            f"{args.tokens} -r {args.reps}{deep}, {args.rounds} interleaved rounds; memory read bandwidth "
-            f"{probes[len(probes) // 2]:.1f} GB/s (median of {len(probes)} probes, "
+            f"{args.tokens} -r {args.reps}{deep}, {args.rounds} interleaved rounds; memory read "
+            f"bandwidth {probes[len(probes) // 2]:.1f} GB/s (median of {len(probes)} probes, "
             f"{probes[0]:.1f}–{probes[-1]:.1f}); kit built for {kit_arch(args.kit)}")
     text = inference.table(records, list(bins))
     print(head)

@@ -246,9 +246,9 @@ def report(rows: dict[str, dict[int, dict]], levels: list[int]) -> tuple[list[st
         rounds = [a / b for a, b in zip(ours[n]["tok_s_all"],
                                         rows["its llama-server"][n]["tok_s_all"])]
         if len(rounds) > 1:
-            notes.append(f"{n} stream(s), dsr1d / its llama-server round by round (the two take turns "
-                         f"within a round): {', '.join(f'{r:.3f}' for r in rounds)}, median "
-                         f"{statistics.median(rounds):.3f}")
+            notes.append(f"{n} stream(s), dsr1d / its llama-server round by round (the two "
+                         f"take turns within a round): {', '.join(f'{r:.3f}' for r in rounds)}, "
+                         f"median {statistics.median(rounds):.3f}")
     front = sum(f["daemon_cpu_s"] for f in ours.values())
     direct = sum(f["daemon_cpu_s"] for f in rows["its llama-server"].values())
     notes.append(f"the daemon's CPU while its API served: {front:.2f} s; while its llama-server "

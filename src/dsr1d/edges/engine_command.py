@@ -94,9 +94,14 @@ def arguments(spec: ServerSpec) -> list[str]:
 
 
 def kv_types(spec: ServerSpec) -> tuple[str, str]:
+    """The types of ``spec``'s KV cache's K and V (`cache_types`)."""
+    return cache_types(spec.flash_attn, spec.kv_type)
+
+
+def cache_types(flash_attn: str, kv_type: str) -> tuple[str, str]:
     """The types of the KV cache's K and V. Without flash attention llama.cpp cannot keep V
     quantised, so a q8_0 cache is then K only."""
-    return spec.kv_type, spec.kv_type if spec.flash_attn != "off" else "f16"
+    return kv_type, kv_type if flash_attn != "off" else "f16"
 
 
 def kv_bytes_per_token(spec: ServerSpec, elements: int) -> float:
