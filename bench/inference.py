@@ -62,8 +62,10 @@ CALIBRATION = FILES.parent / "calibration"   # the daemon's flash-attention choi
 ROWS = ("release", "ik -rtr", "dsr1d")
 TYPES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS", "Q4_0", "BF16")
 DECODE_TARGET_TYPES = ("Q4_K_M", "Q8_0", "Q4_0")
-# docs/benchmarks.md's tables without AMX and with it; docs/engine.md's deep in a context
-BLOCKS = ("inference", "inference-amx", "inference-depth", "inference-16k")
+# docs/benchmarks.md's tables without AMX and with it; docs/engine.md's deep in a context (on
+# the AMX VM, and on a CPU with AVX-512 but no AMX)
+BLOCKS = ("inference", "inference-amx", "inference-depth", "inference-16k",
+          "inference-depth-avx512")
 
 
 @dataclass
