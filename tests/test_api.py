@@ -255,6 +255,21 @@ def test_metrics_count_tokens_and_hold_no_request_text(client, sock: Path) -> No
     assert 'dsr1d_engine_info{flash_attn="on",kv_type="f16",speculative="off"}' in values
 
 
+def _metric(sock: Path, name: str) -> float:
+    text = curl(sock, "/metrics")[1]
+    return next(float(line.split(" ")[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_a_stream_longer_than_its_kept_tail_is_counted(sock: Path) -> None:
+    before = _metric(sock, "dsr1d_api_completion_tokens_total")
+    code, text = curl(sock, "/v1/chat/completions", {
+        "messages": FRANCE, "max_tokens": 400, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert code == 200 and text.rstrip().endswith("data: [DONE]")
+    assert len(text.encode()) > 65536       # more than the front keeps of a stream's end
+    assert _metric(sock, "dsr1d_api_completion_tokens_total") - before == 400
+
+
 def test_tcp_takes_only_requests_with_a_key(smollm2: Path, tmp_path: Path) -> None:
     keys = tmp_path / "api-keys"
     keys.write_text("# one a line\nsk-local-test\n")

@@ -25,6 +25,7 @@ import os
 import socket
 import struct
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -37,6 +38,8 @@ from dsr1d.edges.engine_host import EngineHost, EngineUnavailable
 from dsr1d.edges.metrics import Metrics
 
 log = logging.getLogger("dsr1d")
+
+_TAIL_BYTES = 65536   # a stream's end kept for its usage: the final event with timings is ~1 KiB
 
 MAX_BODY_BYTES = 4 << 20
 MAX_DEPTH = 32            # JSON nesting (a tool's schema is a few levels deep)
@@ -304,7 +307,10 @@ class Api:
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         last: float | None = None
-        tail = b""
+        # the stream's last 64 KiB or more, where its usage comes: kept as chunks, since joining
+        # every chunk to the tail copied 64 KiB a token once a reasoning stream had grown past it
+        tail: deque[bytes] = deque()
+        held = 0
         async for chunk in up.content.iter_any():
             await response.write(chunk)
             now = time.monotonic()
@@ -314,8 +320,11 @@ class Api:
                 else:
                     self.metrics.inter_token(now - last)
                 last = now
-            tail = (tail + chunk)[-65536:]
-        self._account_stream(tail)
+            tail.append(chunk)
+            held += len(chunk)
+            while held - len(tail[0]) >= _TAIL_BYTES:
+                held -= len(tail.popleft())
+        self._account_stream(b"".join(tail))
         await response.write_eof()
         return response
 
