@@ -240,12 +240,17 @@ def test_an_unprivileged_uid_is_refused_and_slots_are_roots(open_socket: Path) -
     assert code == 200 and isinstance(json.loads(text), list)
 
 
+def _samples(text: str) -> dict[str, float]:
+    """A /metrics page's samples by name and labels."""
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+            if line and not line.startswith("#") and " " in line}
+
+
 def test_metrics_count_tokens_and_hold_no_request_text(client, sock: Path) -> None:
     ask(client, [{"role": "user", "content": f"Spell {SECRET}"}], max_tokens=4)
     code, text = curl(sock, "/metrics")
     assert code == 200 and SECRET not in text
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-              if line and not line.startswith("#") and " " in line}
+    values = _samples(text)
     assert values["dsr1d_api_completion_tokens_total"] >= 4
     assert 'dsr1d_requests_total{code="200",endpoint="/v1/chat/completions"}' in values
     assert "llamacpp:tokens_predicted_total" in values      # llama-server's own series
@@ -255,19 +260,15 @@ def test_metrics_count_tokens_and_hold_no_request_text(client, sock: Path) -> No
     assert 'dsr1d_engine_info{flash_attn="on",kv_type="f16",speculative="off"}' in values
 
 
-def _metric(sock: Path, name: str) -> float:
-    text = curl(sock, "/metrics")[1]
-    return next(float(line.split(" ")[1]) for line in text.splitlines() if line.startswith(name + " "))
-
-
 def test_a_stream_longer_than_its_kept_tail_is_counted(sock: Path) -> None:
-    before = _metric(sock, "dsr1d_api_completion_tokens_total")
+    tokens = "dsr1d_api_completion_tokens_total"
+    before = _samples(curl(sock, "/metrics")[1])[tokens]
     code, text = curl(sock, "/v1/chat/completions", {
         "messages": FRANCE, "max_tokens": 400, "ignore_eos": True, "stream": True,
         "stream_options": {"include_usage": True}})
     assert code == 200 and text.rstrip().endswith("data: [DONE]")
     assert len(text.encode()) > 65536       # more than the front keeps of a stream's end
-    assert _metric(sock, "dsr1d_api_completion_tokens_total") - before == 400
+    assert _samples(curl(sock, "/metrics")[1])[tokens] - before == 400
 
 
 def test_tcp_takes_only_requests_with_a_key(smollm2: Path, tmp_path: Path) -> None:
